@@ -1,0 +1,250 @@
+"""Execution-state capsules: a copy of the arena's capsule kinds at a committed token boundary.
+
+A capsule is one byte buffer plus an entry table (name, kind, dtype, live shape, offset).
+Fixed-size state sits first, at the same relative offsets as in the arena, so snapshot and
+restore are one copy for all of it plus one per per-token buffer (live rows only).
+"""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from flashrt.arena import CAPSULE_KINDS, Arena
+from flashrt.errors import CapsuleConsumedError, CapsuleMismatchError
+from flashrt.native import copy_segments
+
+_ALIGN = 64
+
+_DTYPES = {str(d).replace("torch.", ""): d for d in (
+    torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.uint8,
+    torch.float8_e4m3fn, torch.float8_e5m2)}
+
+
+def dtype_name(d: torch.dtype) -> str:
+    return str(d).replace("torch.", "")
+
+
+def dtype_from_name(s: str) -> torch.dtype:
+    return _DTYPES[s]
+
+
+@dataclass(frozen=True)
+class Entry:
+    name: str
+    kind: str
+    dtype: str
+    shape: tuple          # live shape: rows [0, position) for per-token buffers
+    offset: int           # byte offset in the capsule buffer
+    seq: bool
+
+    @property
+    def nbytes(self) -> int:
+        n = dtype_from_name(self.dtype).itemsize
+        for s in self.shape:
+            n *= s
+        return n
+
+
+@dataclass
+class CapsuleMeta:
+    position: int
+    fingerprint: dict     # model_type, config, weights, dtype, layout: what decides meaning
+    provenance: dict      # device, threads, versions: recorded, never refused on
+    parent: str | None = None
+    single_use: bool = False
+    extra: dict = field(default_factory=dict)
+
+
+class Capsule:
+    """Copy of a session's state. Build with Runtime.snapshot(); restore with Runtime.restore()."""
+
+    def __init__(self, data: torch.Tensor, entries: list[Entry], meta: CapsuleMeta):
+        self.data = data                  # uint8, capacity >= end of the last entry
+        self.entries = tuple(entries)
+        self.meta = meta
+        self._by_name = {e.name: e for e in self.entries}
+        self._claim = threading.Lock()
+        self._consumed = False
+        self.generation = 0               # bumped when rewritten in place (snapshot(into=))
+
+    # ---- public properties --------------------------------------------------------------
+    @property
+    def position(self) -> int:
+        return self.meta.position
+
+    @property
+    def nbytes(self) -> int:
+        return sum(e.nbytes for e in self.entries)
+
+    @property
+    def kinds(self) -> frozenset:
+        return frozenset(e.kind for e in self.entries)
+
+    @property
+    def fingerprint(self) -> str:
+        f = self.meta.fingerprint
+        return f"{f['model_type']}:{f['config'][:8]}:{f['weights'][:8]}:{f['dtype']}:{f['layout'][:8]}"
+
+    @property
+    def device(self) -> torch.device:
+        return self.data.device
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.view("meta.tokens").tolist()
+
+    @property
+    def consumed(self) -> bool:
+        return self._consumed
+
+    def view(self, name: str) -> torch.Tensor:
+        e = self._by_name[name]
+        return self.data[e.offset: e.offset + e.nbytes].view(dtype_from_name(e.dtype)).view(e.shape)
+
+    def raw(self, e: Entry) -> torch.Tensor:
+        return self.data[e.offset: e.offset + e.nbytes]
+
+    def __repr__(self) -> str:
+        return (f"Capsule(position={self.position}, nbytes={self.nbytes}, kinds={sorted(self.kinds)}, "
+                f"device={self.device}, fingerprint={self.fingerprint})")
+
+    # ---- movement -----------------------------------------------------------------------
+    def to(self, device) -> "Capsule":
+        device = torch.device(device)
+        if device == self.device:
+            return self
+        pin = device.type == "cpu" and torch.cuda.is_available()
+        data = torch.empty(self.data.numel(), dtype=torch.uint8, device=device, pin_memory=pin)
+        data.copy_(self.data)
+        if self.device.type == "cuda" or device.type == "cuda":
+            torch.cuda.synchronize()
+        return Capsule(data, list(self.entries), replace(self.meta))
+
+    def save(self, path) -> None:
+        from .format import save_capsule
+        save_capsule(self, path)
+
+    @staticmethod
+    def load(path, device="cpu") -> "Capsule":
+        from .format import load_capsule
+        return load_capsule(path, device)
+
+    # ---- single use ---------------------------------------------------------------------
+    def claim(self) -> None:
+        """Consume a single-use capsule exactly once (atomic across threads)."""
+        if not self.meta.single_use:
+            return
+        with self._claim:
+            if self._consumed:
+                raise CapsuleConsumedError(f"single-use capsule at position {self.position} "
+                                           "was already restored")
+            self._consumed = True
+
+
+# ---- layout of a capsule for an arena at a position ------------------------------------------
+def plan_entries(arena: Arena, position: int) -> tuple[list[Entry], int]:
+    """Entries for every capsule-kind buffer, and the bytes the capsule buffer needs."""
+    entries = []
+    for s in arena.slots:
+        if s.spec.kind not in CAPSULE_KINDS or s.spec.seq_dim is not None:
+            continue
+        entries.append(Entry(s.name, s.spec.kind, dtype_name(s.spec.dtype), tuple(s.spec.shape),
+                             s.offset - arena.fixed_begin, False))
+    off = _round(arena.fixed_end - arena.fixed_begin)
+    for s in arena.slots:
+        if s.spec.kind not in CAPSULE_KINDS or s.spec.seq_dim is None:
+            continue
+        shape = (position,) + tuple(s.spec.shape[1:])
+        entries.append(Entry(s.name, s.spec.kind, dtype_name(s.spec.dtype), shape, off, True))
+        off = _round(off + position * s.spec.row_bytes)
+    return entries, off
+
+
+def _round(n: int) -> int:
+    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+def copy_pairs(arena: Arena, cap: Capsule, entries, to_capsule: bool):
+    """(src, dst) byte views between arena and capsule; the fixed block is one pair."""
+    pairs, fixed = [], [e for e in entries if not e.seq]
+    if _fixed_block_ok(arena, cap, fixed):
+        a = arena.data[arena.fixed_begin: arena.fixed_end]
+        c = cap.data[: arena.fixed_end - arena.fixed_begin]
+        pairs.append((a, c) if to_capsule else (c, a))
+    else:  # a subset of kinds: copy buffer by buffer
+        for e in fixed:
+            a, c = arena.bytes_of(e.name), cap.raw(e)
+            pairs.append((a, c) if to_capsule else (c, a))
+    for e in entries:
+        if e.seq and e.shape[0] > 0:
+            a, c = arena.bytes_of(e.name, e.shape[0]), cap.raw(e)
+            pairs.append((a, c) if to_capsule else (c, a))
+    return pairs
+
+
+def _fixed_block_ok(arena: Arena, cap: Capsule, fixed) -> bool:
+    """True when the capsule's fixed entries mirror the arena's fixed range byte for byte."""
+    if not fixed or len(fixed) != sum(1 for e in cap.entries if not e.seq):
+        return False
+    if cap.data.numel() < arena.fixed_end - arena.fixed_begin:
+        return False
+    return all(e.offset == arena.slot(e.name).offset - arena.fixed_begin for e in fixed)
+
+
+def snapshot_arena(arena: Arena, position: int, meta: CapsuleMeta, into: Capsule | None = None,
+                   pin: bool = False, fixed_only: bool = False) -> Capsule:
+    entries, need = plan_entries(arena, position)
+    if fixed_only:   # rollback checkpoints: KV rows below the position stay valid in the arena
+        entries = [e for e in entries if not e.seq]
+        need = _round(arena.fixed_end - arena.fixed_begin)
+    if into is not None:
+        if into.device != arena.device:
+            raise CapsuleMismatchError(f"snapshot(into=): capsule is on {into.device}, "
+                                       f"arena on {arena.device}")
+        if into.data.numel() < need:
+            raise CapsuleMismatchError(f"snapshot(into=): capsule buffer holds {into.data.numel()} B, "
+                                       f"this state needs {need} B")
+        cap = into
+        cap.entries, cap.meta = tuple(entries), meta
+        cap._by_name = {e.name: e for e in entries}
+        cap._consumed = False
+        cap.generation += 1
+    else:
+        data = torch.empty(need, dtype=torch.uint8, device=arena.device, pin_memory=pin)
+        cap = Capsule(data, entries, meta)
+    copy_segments(copy_pairs(arena, cap, entries, to_capsule=True))
+    return cap
+
+
+def restore_arena(arena: Arena, cap: Capsule, kinds: frozenset) -> None:
+    entries = [e for e in cap.entries if e.kind in kinds]
+    copy_segments(copy_pairs(arena, cap, entries, to_capsule=False))
+
+
+def check_fits(cap: Capsule, arena: Arena, fingerprint: dict, max_seq_len: int) -> None:
+    """Refuse, naming the field, any capsule that does not fit; nothing is written before this."""
+    theirs = cap.meta.fingerprint
+    for key in ("model_type", "config", "weights", "dtype", "layout"):
+        if theirs.get(key) != fingerprint.get(key):
+            raise CapsuleMismatchError(f"capsule {key} differs: capsule has {theirs.get(key)!r}, "
+                                       f"runtime has {fingerprint.get(key)!r}")
+    if cap.position > max_seq_len:
+        raise CapsuleMismatchError(f"capsule position {cap.position} exceeds this runtime's "
+                                   f"max_seq_len {max_seq_len}")
+    for e in cap.entries:
+        if e.name not in arena:
+            raise CapsuleMismatchError(f"capsule buffer {e.name!r} is not in this runtime's layout")
+        spec = arena.slot(e.name).spec
+        want = tuple(spec.shape[1:]) if e.seq else tuple(spec.shape)
+        have = tuple(e.shape[1:]) if e.seq else tuple(e.shape)
+        if (spec.kind, dtype_name(spec.dtype), want, spec.seq_dim == 0) != (e.kind, e.dtype, have, e.seq):
+            raise CapsuleMismatchError(f"capsule buffer {e.name!r} has kind/dtype/shape "
+                                       f"{e.kind}/{e.dtype}/{e.shape}, runtime expects "
+                                       f"{spec.kind}/{dtype_name(spec.dtype)}/{spec.shape}")
+        if e.seq and e.shape[0] != cap.position:
+            raise CapsuleMismatchError(f"capsule buffer {e.name!r} holds {e.shape[0]} rows, "
+                                       f"position is {cap.position}")
+        if e.offset + e.nbytes > cap.data.numel():
+            raise CapsuleMismatchError(f"capsule buffer {e.name!r} lies outside the capsule data")

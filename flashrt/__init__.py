@@ -1,0 +1,56 @@
+"""FlashRT: a latency-first execution-state runtime.
+
+    rt = flashrt.load(path)            # weights + one session (arena) on a device
+    logits = rt.prefill(ids); tok = rt.generate(max_new_tokens=8)
+    cap = rt.snapshot(); ...; rt.restore(cap)   # byte-exact state capsules
+"""
+from __future__ import annotations
+
+import os as _os
+
+# In a source checkout, capsules/ and models/ sit beside flashrt/; installed wheels carry them
+# inside the package (pyproject maps them). Let the source layout resolve the same names.
+_root = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
+if not _os.path.isdir(_os.path.join(_os.path.dirname(__file__), "models")) and \
+        _os.path.isfile(_os.path.join(_root, "models", "__init__.py")):
+    __path__.append(_root)  # noqa: F821 (package __path__)
+
+from .errors import (ArenaError, CapsuleConsumedError, CapsuleCorruptError, CapsuleError,  # noqa: E402
+                     CapsuleMismatchError, ConfigError, FlashRTError, WeightError)
+from .version import __version__  # noqa: E402
+
+
+def load(path, device="cpu", dtype=None, max_seq_len: int = 4096, cuda_graphs: bool = True,
+         sessions: int = 1, prefill_chunk: int = 512, checkpoint_every: int = 256,
+         max_checkpoints: int = 16, seed: int = 0):
+    """Load a Hugging Face-format checkpoint directory and open a session on it.
+
+    sessions > 1 pre-allocates (and on CUDA pre-captures) that many sessions in total, so
+    `fork()` never allocates or captures on the hot path; it raises when none is free.
+    """
+    from .loader import load_model
+    from .runtime import Options, Runtime, SessionPool
+    if max_seq_len < 1:
+        raise ValueError(f"max_seq_len must be >= 1, got {max_seq_len}")
+    model = load_model(path, device=device, dtype=dtype)
+    opts = Options(max_seq_len=max_seq_len, prefill_chunk=prefill_chunk,
+                   checkpoint_every=checkpoint_every, max_checkpoints=max_checkpoints,
+                   cuda_graphs=cuda_graphs, seed=seed)
+    pool = SessionPool(model, opts, sessions - 1) if sessions > 1 else None
+    return Runtime(model, opts, pool=pool)
+
+
+def __getattr__(name):
+    # Lazy: importing flashrt stays cheap and free of torch work until used.
+    if name == "Runtime":
+        from .runtime import Runtime
+        return Runtime
+    if name == "Capsule":
+        from .capsules.capsule import Capsule
+        return Capsule
+    raise AttributeError(f"module 'flashrt' has no attribute {name!r}")
+
+
+__all__ = ["load", "Runtime", "Capsule", "FlashRTError", "ArenaError", "ConfigError", "WeightError",
+           "CapsuleError", "CapsuleMismatchError", "CapsuleCorruptError", "CapsuleConsumedError",
+           "__version__"]

@@ -1,0 +1,134 @@
+"""Building blocks shared by the model files: norms, rotary embedding, attention over arena KV.
+
+Two execution paths share every op:
+- eager: the host knows the committed position and slices KV to [0, position + T);
+- static (CUDA-graph safe): positions are device tensors, attention spans the whole capacity
+  and stale rows are removed with `where` on both scores and values, because a mask added
+  before softmax does not stop NaN in stale K (NaN + -inf = NaN), and 0 * NaN in V is NaN.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class StepCtx:
+    """Host-planned description of one step over T new tokens."""
+    T: int
+    positions: torch.Tensor          # (T,) int64 absolute positions of the new tokens
+    start: int | None = None         # committed position before the step (eager path)
+    static: bool = False             # graph-safe path: no host ints, no data-dependent shapes
+
+    @property
+    def end(self) -> int:
+        return self.start + self.T
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm in fp32. zero_centred: weight stored as w - 1 (Qwen3.5), scale applied in fp32."""
+
+    def __init__(self, dim: int, eps: float, zero_centred: bool = False):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(dim))
+        self.eps = eps
+        self.zero_centred = zero_centred
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.zero_centred:
+            return (h * (1.0 + self.weight.float())).to(dtype)
+        return self.weight * h.to(dtype)
+
+
+class Rotary(nn.Module):
+    """Rotary embedding over the first `rot_dim` dims of each head (partial rotary when < head_dim)."""
+
+    def __init__(self, rot_dim: int, theta: float):
+        super().__init__()
+        self.rot_dim, self.theta = rot_dim, theta
+        self.rebuild("cpu")
+
+    def rebuild(self, device):
+        # Same formula as transformers' default rope, so fp32 bits match.
+        exps = torch.arange(0, self.rot_dim, 2, dtype=torch.int64, device=device).float() / self.rot_dim
+        self.register_buffer("inv_freq", 1.0 / (self.theta ** exps), persistent=False)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype):
+        freqs = positions[:, None].float() * self.inv_freq[None, :]   # (T, rot/2)
+        emb = torch.cat((freqs, freqs), dim=-1)                        # (T, rot)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: (T, H, D); cos/sin: (T, rot). Rotates the first rot dims, passes the rest through."""
+    rot = cos.shape[-1]
+    xr, xp = x[..., :rot], x[..., rot:]
+    half = rot // 2
+    rotated = torch.cat((-xr[..., half:], xr[..., :half]), dim=-1)
+    out = xr * cos[:, None, :] + rotated * sin[:, None, :]
+    return torch.cat((out, xp), dim=-1) if xp.shape[-1] else out
+
+
+def attend_cached(q, k, v, k_cache, v_cache, ctx: StepCtx, scale: float) -> torch.Tensor:
+    """Write this step's K/V into the arena at ctx.positions, then attend causally.
+
+    q: (T, Hq, D); k, v: (T, Hkv, D); k_cache, v_cache: (capacity, Hkv, D) arena views.
+    Returns (T, Hq, D).
+    """
+    if ctx.static:
+        k_cache.index_copy_(0, ctx.positions, k)
+        v_cache.index_copy_(0, ctx.positions, v)
+        return _attend_static(q, k_cache, v_cache, ctx.positions, scale)
+    k_cache[ctx.start: ctx.end] = k
+    v_cache[ctx.start: ctx.end] = v
+    K, V = k_cache[: ctx.end], v_cache[: ctx.end]      # only committed + new rows: stale rows unread
+    qh = q.transpose(0, 1).unsqueeze(0)                 # (1, Hq, T, D)
+    kh = K.permute(1, 0, 2).unsqueeze(0)                # (1, Hkv, L, D)
+    vh = V.permute(1, 0, 2).unsqueeze(0)
+    if ctx.T == 1:
+        mask, causal = None, False
+    elif ctx.start == 0:
+        mask, causal = None, True
+    else:  # query i sits at start + i and sees keys <= start + i
+        kpos = torch.arange(ctx.end, device=q.device)
+        mask, causal = kpos[None, :] <= ctx.positions[:, None], False
+    out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, is_causal=causal,
+                                         scale=scale, enable_gqa=kh.shape[1] != qh.shape[1])
+    return out[0].transpose(0, 1)
+
+
+def _attend_static(q, K, V, positions, scale):
+    # q: (T, Hq, D); K, V: (cap, Hkv, D). Shapes are fixed, so one graph serves any position.
+    T, Hq, D = q.shape
+    cap, Hkv, _ = K.shape
+    g = Hq // Hkv
+    kpos = torch.arange(cap, device=q.device)
+    visible = kpos[None, :] <= positions[:, None]                       # (T, cap)
+    live = kpos <= positions[-1]                                        # (cap,)
+    qh = q.reshape(T, Hkv, g, D).permute(1, 2, 0, 3).float()           # (Hkv, g, T, D)
+    kh = K.permute(1, 0, 2).float()                                     # (Hkv, cap, D)
+    vh = torch.where(live[:, None, None], V, torch.zeros((), dtype=V.dtype, device=V.device))
+    vh = vh.permute(1, 0, 2).float()
+    scores = torch.einsum("hgtd,hcd->hgtc", qh, kh) * scale
+    scores = torch.where(visible, scores, torch.full((), float("-inf"), device=q.device))
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.einsum("hgtc,hcd->hgtd", probs, vh)                     # (Hkv, g, T, D)
+    return out.permute(2, 0, 1, 3).reshape(T, Hq, D).to(q.dtype)
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, dim: int, hidden: int, names=("gate_proj", "up_proj", "down_proj")):
+        super().__init__()
+        self.names = names
+        for n, (i, o) in zip(names, ((dim, hidden), (dim, hidden), (hidden, dim))):
+            setattr(self, n, nn.Linear(i, o, bias=False))
+
+    def forward(self, x):
+        gate, up, down = (getattr(self, n) for n in self.names)
+        return down(F.silu(gate(x)) * up(x))

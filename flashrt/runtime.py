@@ -1,0 +1,355 @@
+"""A session: one arena over shared weights; prefill, decode, sampling, capsules, rollback.
+
+Host-side planning (chunking, bounds, checkpoint boundaries) happens here; the step itself
+(`_step`) only touches arena buffers, so it runs eagerly or as a replayed CUDA graph.
+"""
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass
+
+import torch
+
+from flashrt.arena import CAPSULE_KINDS, Arena, BufferSpec
+from flashrt.capsules.capsule import (Capsule, CapsuleMeta, check_fits, restore_arena,
+                                      snapshot_arena)
+from flashrt.errors import CapsuleMismatchError
+from flashrt.layers import StepCtx
+from flashrt.loader import LoadedModel
+from flashrt.sampler import sample, seed_rng, validate
+from flashrt.version import __version__
+
+_FIXED_NO_RNG = frozenset(("recurrent", "conv", "mtp", "meta"))
+
+
+@dataclass
+class Options:
+    max_seq_len: int = 4096
+    prefill_chunk: int = 512          # tokens per eager prefill step
+    checkpoint_every: int = 256       # rollback checkpoints at multiples of this position
+    max_checkpoints: int = 16         # memory bound: oldest dropped first
+    cuda_graphs: bool = True
+    seed: int = 0
+
+
+def runtime_specs(o: Options, vocab: int) -> list[BufferSpec]:
+    """Buffers every session has, whatever the model."""
+    return [
+        BufferSpec("meta.position", "meta", (1,), torch.int64),
+        BufferSpec("meta.logits", "meta", (vocab,), torch.float32),     # logits after the last token
+        BufferSpec("meta.tokens", "meta", (o.max_seq_len,), torch.int64, seq_dim=0),
+        BufferSpec("sampler.rng", "rng", (2,), torch.int64),            # [seed, counter]
+        BufferSpec("io.ids", "io", (o.prefill_chunk,), torch.int64),
+        BufferSpec("io.arange", "io", (o.prefill_chunk,), torch.int64),
+    ]
+
+
+class Runtime:
+    """One sequence (batch 1). Parallel branches are forks: sessions over the same weights."""
+
+    def __init__(self, model: LoadedModel, options: Options, pool=None):
+        self.model, self.options, self._pool = model, options, pool
+        self.net = model.net
+        specs = self.net.state_specs(options.max_seq_len, model.dtype) + runtime_specs(options, self.net.vocab_size)
+        with torch.inference_mode():
+            self.arena = Arena(specs, model.device)
+            self.arena["io.arange"].copy_(torch.arange(options.prefill_chunk))
+            seed_rng(self.arena["sampler.rng"], options.seed)
+        self.fingerprint = dict(model.fingerprint, layout=self.arena.fingerprint())
+        self._lock = threading.RLock()
+        self._pos = 0
+        self._checkpoints: list[Capsule] = []     # fixed state at multiples of checkpoint_every
+        self._base: tuple | None = None           # (capsule, generation) last restored from
+        self._has_fixed_state = any(s.spec.kind in ("recurrent", "conv", "mtp")
+                                    for s in self.arena.slots)
+        self.finish_reason = None
+        self.graphs = None
+        if options.cuda_graphs and model.device.type == "cuda":
+            from flashrt.graphs import StepGraphs
+            self.graphs = StepGraphs(self)
+            self.graphs.capture()
+            self.reset()
+
+    # ---- properties -------------------------------------------------------------------------
+    @property
+    def position(self) -> int:
+        return self._pos
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.options.max_seq_len
+
+    @property
+    def tokens(self) -> list[int]:
+        with self._lock:
+            return self.arena["meta.tokens"][: self._pos].tolist()
+
+    @property
+    def tokenizer(self):
+        return self.model.tokenizer
+
+    def layout(self) -> str:
+        return self.arena.table()
+
+    # ---- the step ---------------------------------------------------------------------------
+    def _step(self, ids: torch.Tensor, all_logits: bool = False):
+        """Advance by len(ids) tokens (already validated). Returns all-position logits if asked."""
+        T, start = ids.shape[0], self._pos
+        if self.graphs is not None and not all_logits:
+            self.graphs.run(ids)
+            self._pos += T
+            return None
+        ctx = StepCtx(T, torch.arange(start, start + T, device=ids.device), start=start)
+        logits = self.net(ids, ctx, self.arena, all_logits=all_logits)
+        self._commit(ids, ctx.positions, logits[-1], start + T)
+        self._pos += T
+        return logits
+
+    def _commit(self, ids, positions, last_logits, new_pos: int | None):
+        """Bookkeeping shared by the eager and the captured step (new_pos None: on device)."""
+        a = self.arena
+        a["meta.logits"].copy_(last_logits)
+        a["meta.tokens"].index_copy_(0, positions, ids)
+        if new_pos is None:
+            a["meta.position"].add_(ids.shape[0])
+        else:
+            a["meta.position"].fill_(new_pos)
+
+    def _static_step(self, T: int):
+        """The graph-captured body: inputs from io.ids, position from meta.position."""
+        a = self.arena
+        ids = a["io.ids"][:T]
+        positions = a["meta.position"] + a["io.arange"][:T]
+        logits = self.net(ids, StepCtx(T, positions, static=True), a)
+        self._commit(ids, positions, logits[-1], None)
+
+    # ---- host planning ----------------------------------------------------------------------
+    def _check_ids(self, ids) -> torch.Tensor:
+        if isinstance(ids, torch.Tensor):
+            ids = ids.reshape(-1).tolist()
+        ids = [int(i) for i in ids]
+        if not ids:
+            raise ValueError("empty ids: prefill needs at least one token")
+        V = self.net.vocab_size
+        for j, i in enumerate(ids):
+            if not 0 <= i < V:
+                raise ValueError(f"token id {i} at index {j} is outside the vocabulary [0, {V})")
+        if self._pos + len(ids) > self.max_seq_len:
+            raise ValueError(f"{len(ids)} tokens at position {self._pos} exceed max_seq_len "
+                             f"{self.max_seq_len}")
+        return torch.tensor(ids, dtype=torch.int64, device=self.model.device)
+
+    def _chunks(self, n: int):
+        """Chunk lengths: at most prefill_chunk, split at checkpoint boundaries."""
+        pos, every, out = self._pos, self.options.checkpoint_every, []
+        while n:
+            step = min(n, self.options.prefill_chunk, every - pos % every)
+            out.append(step)
+            pos, n = pos + step, n - step
+        return out
+
+    def _advance(self, ids: torch.Tensor, all_logits: bool):
+        outs, i = [], 0
+        for n in self._chunks(ids.shape[0]):
+            out = self._step(ids[i: i + n], all_logits)
+            if all_logits:
+                outs.append(out)
+            i += n
+            self._maybe_checkpoint()
+        return torch.cat(outs).float() if all_logits else None
+
+    # ---- public stepping --------------------------------------------------------------------
+    @torch.inference_mode()
+    def prefill(self, ids, all_logits: bool = False) -> torch.Tensor:
+        """Append tokens; returns float32 logits of the last position (or of all, shape (T, V))."""
+        with self._lock:
+            t = self._check_ids(ids)
+            out = self._advance(t, all_logits)
+            return out if all_logits else self.arena["meta.logits"].clone()
+
+    @torch.inference_mode()
+    def decode(self, token: int) -> torch.Tensor:
+        """Append one token; returns its float32 logits (a fresh tensor, not an arena view)."""
+        with self._lock:
+            if self._pos == 0:
+                raise RuntimeError("decode() before any prefill: the session is empty (position 0)")
+            if self._pos >= self.max_seq_len:
+                raise ValueError(f"max_seq_len {self.max_seq_len} reached: cannot decode at "
+                                 f"position {self._pos}")
+            self._advance(self._check_ids([token]), False)
+            return self.arena["meta.logits"].clone()
+
+    @torch.inference_mode()
+    def generate(self, ids=None, max_new_tokens: int = 32, temperature: float = 0.0, top_k: int = 0,
+                 top_p: float = 1.0, seed: int | None = None, stop=()) -> list[int]:
+        """Sample up to max_new_tokens; every returned token is committed to the session.
+
+        seed=None continues the session's RNG stream; an int reseeds it. Stops after EOS (from
+        the checkpoint's generation config) or any `stop` id; finish_reason says why it ended.
+        """
+        validate(temperature, top_k, top_p)
+        with self._lock:
+            if ids is not None:
+                self.prefill(ids)
+            elif self._pos == 0:
+                raise RuntimeError("generate() without ids on an empty session: prefill first")
+            if seed is not None:
+                seed_rng(self.arena["sampler.rng"], seed)
+            stops = set(stop) | set(self.model.eos_ids)
+            out, self.finish_reason = [], "length"
+            for _ in range(max_new_tokens):
+                if self._pos >= self.max_seq_len:
+                    self.finish_reason = "max_seq_len"
+                    break
+                tok = int(sample(self.arena["meta.logits"], self.arena["sampler.rng"],
+                                 temperature, top_k, top_p))
+                self._advance(torch.tensor([tok], device=self.model.device), False)
+                out.append(tok)
+                if tok in stops:
+                    self.finish_reason = "stop"
+                    break
+            return out
+
+    @torch.inference_mode()
+    def reset(self) -> None:
+        """Empty the session: zero fixed state, position 0. The RNG stream continues."""
+        with self._lock:
+            a = self.arena
+            rng = a["sampler.rng"].clone()
+            a.data[a.fixed_begin: a.fixed_end].zero_()
+            a["sampler.rng"].copy_(rng)
+            self._pos = 0
+            self._checkpoints.clear()
+            self._base = None
+
+    def seed(self, seed: int) -> None:
+        with self._lock, torch.inference_mode():
+            seed_rng(self.arena["sampler.rng"], seed)
+
+    # ---- capsules -----------------------------------------------------------------------------
+    def _capsule_meta(self, single_use=False) -> CapsuleMeta:
+        prov = {"device": str(self.model.device), "threads": torch.get_num_threads(),
+                "torch": torch.__version__, "flashrt": __version__, "pid": os.getpid()}
+        return CapsuleMeta(self._pos, dict(self.fingerprint), prov, single_use=single_use)
+
+    @torch.inference_mode()
+    def snapshot(self, into: Capsule | None = None, single_use: bool = False) -> Capsule:
+        """Copy the committed state (KV rows [0, position), fixed state, RNG, metadata)."""
+        with self._lock:
+            if into is not None:
+                self._check_into(into)
+            return snapshot_arena(self.arena, self._pos, self._capsule_meta(single_use), into=into)
+
+    def _check_into(self, cap: Capsule):
+        if cap.meta.fingerprint != self.fingerprint:
+            raise CapsuleMismatchError("snapshot(into=): that capsule was made by another model/layout")
+
+    @torch.inference_mode()
+    def restore(self, cap: Capsule, kinds=None) -> None:
+        """Make the session's state the capsule's. kinds: restore only those (+ meta; unsafe)."""
+        with self._lock:
+            want = CAPSULE_KINDS if kinds is None else frozenset(kinds) | {"meta"}
+            bad = want - CAPSULE_KINDS
+            if bad:
+                raise ValueError(f"restore(kinds=): unknown or non-capsule kinds {sorted(bad)}")
+            check_fits(cap, self.arena, self.fingerprint, self.max_seq_len)
+            cap.claim()                                   # validation first, then consume
+            restore_arena(self.arena, cap, want & cap.kinds)
+            self._pos = cap.position
+            self._checkpoints.clear()
+            self._base = (cap, cap.generation)
+
+    def fork(self, cap: Capsule | None = None, seed: int | None = None) -> "Runtime":
+        """An independent session over the same weights, starting from `cap` or the live state.
+
+        The child does not inherit the parent's rollback checkpoints; the capsule it starts from
+        serves as its base checkpoint. seed gives it its own sampling stream.
+        """
+        with self._lock:
+            src = cap if cap is not None else self.snapshot()
+            child = self._pool.acquire() if self._pool is not None else Runtime(self.model, self.options)
+            child.restore(src)
+            if seed is not None:
+                child.seed(seed)
+            return child
+
+    def close(self) -> None:
+        """Give a pooled session back to its pool."""
+        if self._pool is not None:
+            self._pool.release(self)
+
+    # ---- rollback -----------------------------------------------------------------------------
+    def _maybe_checkpoint(self):
+        every = self.options.checkpoint_every
+        if self._pos % every:
+            return
+        keep = self.options.max_checkpoints
+        reuse = self._checkpoints.pop(0) if len(self._checkpoints) >= keep else None
+        meta = self._capsule_meta()
+        cp = snapshot_arena(self.arena, self._pos, meta, into=reuse, fixed_only=True)
+        self._checkpoints.append(cp)
+
+    @torch.inference_mode()
+    def rollback(self, position: int) -> None:
+        """Return to an earlier token boundary of the current history.
+
+        KV is rewound by position (rows below stay valid); fixed state comes from the nearest
+        checkpoint at or before `position`, and the gap is re-prefilled from the token history.
+        The RNG stream is not rewound, so a retry samples afresh.
+        """
+        with self._lock:
+            if not 0 <= position <= self._pos:
+                raise ValueError(f"rollback position {position} is outside the history [0, {self._pos}]")
+            if position == self._pos:
+                return
+            history = self.arena["meta.tokens"][:position].clone()
+            self._checkpoints = [c for c in self._checkpoints if c.position <= position]
+            src = self._rollback_source(position)
+            if src is None:
+                self.reset()
+            elif isinstance(src, Capsule):
+                restore_arena(self.arena, src, _FIXED_NO_RNG)
+                self._pos = src.position
+            else:                                   # attention-only: just rewind the position
+                self._pos = src.position
+                self.arena["meta.position"].fill_(src.position)
+            if self._pos < position:
+                self._advance(history[self._pos: position], False)
+
+    def _rollback_source(self, position: int):
+        cands = [c for c in self._checkpoints if c.position <= position]
+        if self._base is not None:
+            cap, gen = self._base
+            if cap.generation == gen and cap.position <= position:
+                cands.append(cap)
+        if not self._has_fixed_state and position > 0 and not any(c.position == position for c in cands):
+            return _KVOnlyPoint(position - 1)   # attention-only: KV rows are the whole state
+        return max(cands, key=lambda c: c.position, default=None)
+
+
+class _KVOnlyPoint:
+    """Rollback source for attention-only models: nothing to copy, re-prefill one token."""
+    def __init__(self, position):
+        self.position = position
+
+
+class SessionPool:
+    """Sessions allocated (and captured) at load time, handed out by fork()."""
+
+    def __init__(self, model: LoadedModel, options: Options, n: int):
+        self._free = [Runtime(model, options, pool=self) for _ in range(n)]
+        self._lock = threading.Lock()
+
+    def acquire(self) -> Runtime:
+        with self._lock:
+            if not self._free:
+                raise RuntimeError("no free session for fork(): all pre-allocated sessions are in "
+                                   "use; close() a fork or load with a larger sessions=")
+            return self._free.pop()
+
+    def release(self, rt: Runtime) -> None:
+        rt.reset()
+        with self._lock:
+            if rt not in self._free:
+                self._free.append(rt)

@@ -1,0 +1,77 @@
+"""Sampling with a counter-based RNG whose whole state is two int64s in the arena.
+
+`rng` = [seed, counter] (kind rng). Each draw hashes (seed, counter) with splitmix64 using
+tensor ops only, then bumps the counter in place: a CUDA graph can advance it, a capsule
+carries it, and the same (seed, counter, logits) always gives the same token on any device.
+"""
+from __future__ import annotations
+
+import torch
+
+_M64 = 1 << 64
+
+
+def _s64(c: int) -> int:
+    """An unsigned 64-bit constant as the int64 with the same bits."""
+    return c - _M64 if c >= 1 << 63 else c
+
+
+_GOLDEN, _C1, _C2 = _s64(0x9E3779B97F4A7C15), _s64(0xBF58476D1CE4E5B9), _s64(0x94D049BB133111EB)
+
+
+def _shr(x: torch.Tensor, s: int) -> torch.Tensor:
+    """Logical right shift on int64 (>> is arithmetic in torch)."""
+    return (x >> s) & ((1 << (64 - s)) - 1)
+
+
+def _splitmix64(x: torch.Tensor) -> torch.Tensor:
+    # int64 multiply wraps modulo 2**64 on every torch backend, as splitmix64 needs.
+    z = x + _GOLDEN
+    z = (z ^ _shr(z, 30)) * _C1
+    z = (z ^ _shr(z, 27)) * _C2
+    return z ^ _shr(z, 31)
+
+
+def uniform(rng: torch.Tensor) -> torch.Tensor:
+    """One draw in [0, 1) as float64 (shape (1,)) from rng = [seed, counter]; advances counter."""
+    z = _splitmix64(_splitmix64(rng[0:1]) ^ rng[1:2])
+    rng[1:2].add_(1)
+    return _shr(z, 11).double() * (1.0 / (1 << 53))
+
+
+def seed_rng(rng: torch.Tensor, seed: int) -> None:
+    rng.copy_(torch.tensor([_s64(seed % _M64), 0], dtype=torch.int64))
+
+
+def validate(temperature: float, top_k: int, top_p: float) -> None:
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if top_k < 0:
+        raise ValueError(f"top_k must be >= 0, got {top_k}")
+    if not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+
+
+def sample(logits: torch.Tensor, rng: torch.Tensor, temperature: float = 0.0,
+           top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+    """logits: (V,) float32. Returns the token as an int64 tensor of shape (1,).
+
+    Greedy (temperature 0) consumes no randomness. Otherwise: scale, keep the top-k, keep the
+    smallest set of tokens whose probability reaches top_p, then invert the CDF of what is
+    left (sorted by probability, stable, so ties resolve the same way everywhere).
+    """
+    if temperature == 0.0:
+        return torch.argmax(logits).reshape(1)
+    scaled = logits.float() / temperature
+    probs, order = torch.sort(torch.softmax(scaled, dim=-1), descending=True, stable=True)
+    if top_k > 0:
+        probs = torch.where(torch.arange(probs.shape[0], device=probs.device) < top_k,
+                            probs, torch.zeros((), device=probs.device))
+    if top_p < 1.0:
+        # keep token j if the mass before it is < top_p (the first token is always kept)
+        before = torch.cumsum(probs, 0) - probs
+        probs = torch.where(before < top_p * probs.sum(), probs, torch.zeros((), device=probs.device))
+    cdf = torch.cumsum(probs.double(), 0)
+    u = uniform(rng) * cdf[-1]
+    j = torch.searchsorted(cdf, u, right=True).clamp_(max=probs.shape[0] - 1)
+    return order[j]

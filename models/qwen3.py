@@ -1,0 +1,132 @@
+"""Qwen3 (dense): GQA attention with per-head q/k RMSNorm, SwiGLU MLP, tied or untied head.
+
+Order: config -> layers -> block -> model -> weight-name mapping (same in every model file).
+State: one K and one V buffer per layer, kind kv, shape (capacity, n_kv_heads, head_dim).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from flashrt.arena import BufferSpec
+from flashrt.layers import RMSNorm, Rotary, StepCtx, SwiGLU, apply_rotary, attend_cached
+from flashrt.modeling import CausalLM, check, require
+
+
+# ---- config -------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Qwen3Config:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    tie_word_embeddings: bool
+
+    @classmethod
+    def from_hf(cls, cfg: dict) -> "Qwen3Config":
+        t = "qwen3"
+        rope = cfg.get("rope_parameters") or {}
+        scaling = cfg.get("rope_scaling")
+        check(not scaling or scaling.get("rope_type", scaling.get("type")) == "default", t,
+              "rope_scaling", f"{scaling} (only default rope is implemented)")
+        check(rope.get("rope_type", "default") == "default", t, "rope_parameters.rope_type",
+              f"{rope.get('rope_type')} (only default rope is implemented)")
+        heads = require(cfg, "num_attention_heads", t)
+        kv = cfg.get("num_key_value_heads", heads)
+        check(heads % kv == 0, t, "num_key_value_heads", f"{heads} heads not divisible by {kv}")
+        check(cfg.get("hidden_act", "silu") == "silu", t, "hidden_act", cfg.get("hidden_act"))
+        check(not cfg.get("attention_bias", False), t, "attention_bias", "bias is not implemented")
+        hidden = require(cfg, "hidden_size", t)
+        return cls(
+            vocab_size=require(cfg, "vocab_size", t), hidden_size=hidden,
+            intermediate_size=require(cfg, "intermediate_size", t),
+            num_hidden_layers=require(cfg, "num_hidden_layers", t),
+            num_attention_heads=heads, num_key_value_heads=kv,
+            head_dim=cfg.get("head_dim") or hidden // heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=rope.get("rope_theta", cfg.get("rope_theta", 10000.0)),
+            tie_word_embeddings=cfg.get("tie_word_embeddings", False))
+
+
+# ---- layers -------------------------------------------------------------------------------
+class Attention(nn.Module):
+    def __init__(self, c: Qwen3Config, idx: int):
+        super().__init__()
+        self.h, self.kv, self.d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        self.q_proj = nn.Linear(c.hidden_size, self.h * self.d, bias=False)
+        self.k_proj = nn.Linear(c.hidden_size, self.kv * self.d, bias=False)
+        self.v_proj = nn.Linear(c.hidden_size, self.kv * self.d, bias=False)
+        self.o_proj = nn.Linear(self.h * self.d, c.hidden_size, bias=False)
+        self.q_norm = RMSNorm(self.d, c.rms_norm_eps)
+        self.k_norm = RMSNorm(self.d, c.rms_norm_eps)
+        self.k_name, self.v_name = f"layers.{idx}.attn.k", f"layers.{idx}.attn.v"
+
+    def forward(self, x, ctx: StepCtx, state, cos, sin):
+        T = x.shape[0]                                           # x: (T, hidden)
+        q = self.q_norm(self.q_proj(x).view(T, self.h, self.d))
+        k = self.k_norm(self.k_proj(x).view(T, self.kv, self.d))
+        v = self.v_proj(x).view(T, self.kv, self.d)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        o = attend_cached(q, k, v, state[self.k_name], state[self.v_name], ctx, self.d ** -0.5)
+        return self.o_proj(o.reshape(T, self.h * self.d))
+
+
+# ---- block --------------------------------------------------------------------------------
+class Block(nn.Module):
+    def __init__(self, c: Qwen3Config, idx: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.self_attn = Attention(c, idx)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.mlp = SwiGLU(c.hidden_size, c.intermediate_size)
+
+    def forward(self, x, ctx, state, cos, sin):
+        x = x + self.self_attn(self.input_layernorm(x), ctx, state, cos, sin)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+# ---- model --------------------------------------------------------------------------------
+class Model(CausalLM):
+    model_type = "qwen3"
+
+    def __init__(self, c: Qwen3Config):
+        super().__init__()
+        self.config = c
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.layers = nn.ModuleList(Block(c, i) for i in range(c.num_hidden_layers))
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.rotary = Rotary(c.head_dim, c.rope_theta)
+        if not c.tie_word_embeddings:
+            self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
+
+    def state_specs(self, max_seq_len, dtype):
+        c = self.config
+        shape = (max_seq_len, c.num_key_value_heads, c.head_dim)
+        return [BufferSpec(f"layers.{i}.attn.{kv}", "kv", shape, dtype, seq_dim=0)
+                for i in range(c.num_hidden_layers) for kv in ("k", "v")]
+
+    def forward(self, ids, ctx, state, all_logits=False):
+        x = self.embed_tokens(ids)                               # (T, hidden)
+        cos, sin = self.rotary(ctx.positions, x.dtype)
+        for layer in self.layers:
+            x = layer(x, ctx, state, cos, sin)
+        x = self.norm(x if all_logits else x[-1:])
+        head = self.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
+        return F.linear(x, head)                                 # (T or 1, vocab)
+
+    # ---- weight-name mapping ----------------------------------------------------------
+    def map_weight_name(self, name: str) -> str | None:
+        if name == "lm_head.weight" and self.config.tie_word_embeddings:
+            return None                     # a tied head saved anyway duplicates embed_tokens
+        return name[len("model."):] if name.startswith("model.") else name
+
+
+CONFIG = Qwen3Config

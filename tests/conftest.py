@@ -1,0 +1,72 @@
+"""The shared tiny-config runner: every model family goes through the same fixtures and checks."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import flashrt
+from flashrt.models.checkpoint import make_checkpoint
+
+def _available_archs():
+    import importlib.util
+    return [a for a in ("qwen3", "qwen3_5", "lfm2")
+            if importlib.util.find_spec(f"flashrt.models.{a}") is not None]
+
+
+ARCHS = _available_archs()
+HYBRID = [a for a in ARCHS if a != "qwen3"]
+
+
+@pytest.fixture(scope="session")
+def ckpt(tmp_path_factory):
+    """ckpt(arch, size="tiny", **kw) -> path of a random-weight checkpoint, made once per session."""
+    made = {}
+
+    def get(arch, size="tiny", **kw):
+        key = (arch, size, tuple(sorted(kw.items())))
+        if key not in made:
+            out = tmp_path_factory.mktemp(f"{arch}-{size}")
+            made[key] = make_checkpoint(arch, size, out, **kw)
+        return made[key]
+    return get
+
+
+@pytest.fixture(scope="session")
+def runtime(ckpt):
+    """runtime(arch, **load_kwargs) -> a fresh CPU fp32 runtime over a tiny checkpoint."""
+    def get(arch, size="tiny", ckpt_kw=None, **kw):
+        kw.setdefault("max_seq_len", 256)
+        kw.setdefault("dtype", "float32")
+        return flashrt.load(ckpt(arch, size, **(ckpt_kw or {})), **kw)
+    return get
+
+
+def hf_reference(path, dtype=torch.float32):
+    """transformers' own model for a checkpoint directory (the parity reference)."""
+    import json
+    from transformers import AutoModelForCausalLM
+    cfg = json.loads((path / "config.json").read_text())
+    if cfg.get("model_type") == "qwen3_5":
+        from transformers import Qwen3_5ForConditionalGeneration as cls
+    else:
+        cls = AutoModelForCausalLM
+    return cls.from_pretrained(str(path), dtype=dtype).eval()
+
+
+def hf_logits(model, ids) -> torch.Tensor:
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].float()
+
+
+def margin_check(ref_logits: torch.Tensor, tokens, margin=1e-3):
+    """Greedy identity under the top-2 margin rule: returns (mismatches, smallest gap met).
+
+    ref_logits[i] are the reference's logits that produced tokens[i]; a position counts only
+    where the reference's top-2 gap exceeds `margin` (exact ties are excluded, not hidden).
+    """
+    top2 = ref_logits.topk(2, dim=-1).values
+    gaps = (top2[:, 0] - top2[:, 1])
+    ref_tok = ref_logits.argmax(-1)
+    bad = [(i, int(ref_tok[i]), int(t), float(gaps[i])) for i, t in enumerate(tokens)
+           if gaps[i] > margin and int(ref_tok[i]) != int(t)]
+    return bad, float(gaps.min())
