@@ -52,7 +52,7 @@ class Runtime:
         self.model, self.options, self._pool = model, options, pool
         self.net = model.net
         specs = self.net.state_specs(options.max_seq_len, model.dtype) + runtime_specs(options, self.net.vocab_size)
-        with torch.inference_mode():
+        with torch.no_grad():
             self.arena = Arena(specs, model.device)
             self.arena["io.arange"].copy_(torch.arange(options.prefill_chunk))
             seed_rng(self.arena["sampler.rng"], options.seed)
@@ -160,7 +160,7 @@ class Runtime:
         return torch.cat(outs).float() if all_logits else None
 
     # ---- public stepping --------------------------------------------------------------------
-    @torch.inference_mode()
+    @torch.no_grad()
     def prefill(self, ids, all_logits: bool = False) -> torch.Tensor:
         """Append tokens; returns float32 logits of the last position (or of all, shape (T, V))."""
         with self._lock:
@@ -168,7 +168,7 @@ class Runtime:
             out = self._advance(t, all_logits)
             return out if all_logits else self.arena["meta.logits"].clone()
 
-    @torch.inference_mode()
+    @torch.no_grad()
     def decode(self, token: int) -> torch.Tensor:
         """Append one token; returns its float32 logits (a fresh tensor, not an arena view)."""
         with self._lock:
@@ -180,9 +180,10 @@ class Runtime:
             self._advance(self._check_ids([token]), False)
             return self.arena["meta.logits"].clone()
 
-    @torch.inference_mode()
+    @torch.no_grad()
     def generate(self, ids=None, max_new_tokens: int = 32, temperature: float = 0.0, top_k: int = 0,
-                 top_p: float = 1.0, seed: int | None = None, stop=()) -> list[int]:
+                 top_p: float = 1.0, seed: int | None = None, stop=(),
+                 ignore_eos: bool = False) -> list[int]:
         """Sample up to max_new_tokens; every returned token is committed to the session.
 
         seed=None continues the session's RNG stream; an int reseeds it. Stops after EOS (from
@@ -196,7 +197,7 @@ class Runtime:
                 raise RuntimeError("generate() without ids on an empty session: prefill first")
             if seed is not None:
                 seed_rng(self.arena["sampler.rng"], seed)
-            stops = set(stop) | set(self.model.eos_ids)
+            stops = set(stop) | (set() if ignore_eos else set(self.model.eos_ids))
             out, self.finish_reason = [], "length"
             for _ in range(max_new_tokens):
                 if self._pos >= self.max_seq_len:
@@ -211,7 +212,7 @@ class Runtime:
                     break
             return out
 
-    @torch.inference_mode()
+    @torch.no_grad()
     def reset(self) -> None:
         """Empty the session: zero fixed state, position 0. The RNG stream continues."""
         with self._lock:
@@ -224,7 +225,7 @@ class Runtime:
             self._base = None
 
     def seed(self, seed: int) -> None:
-        with self._lock, torch.inference_mode():
+        with self._lock, torch.no_grad():
             seed_rng(self.arena["sampler.rng"], seed)
 
     # ---- capsules -----------------------------------------------------------------------------
@@ -233,7 +234,7 @@ class Runtime:
                 "torch": torch.__version__, "flashrt": __version__, "pid": os.getpid()}
         return CapsuleMeta(self._pos, dict(self.fingerprint), prov, single_use=single_use)
 
-    @torch.inference_mode()
+    @torch.no_grad()
     def snapshot(self, into: Capsule | None = None, single_use: bool = False) -> Capsule:
         """Copy the committed state (KV rows [0, position), fixed state, RNG, metadata)."""
         with self._lock:
@@ -241,11 +242,19 @@ class Runtime:
                 self._check_into(into)
             return snapshot_arena(self.arena, self._pos, self._capsule_meta(single_use), into=into)
 
+    def empty_capsule(self, max_tokens: int | None = None) -> Capsule:
+        """A preallocated capsule buffer for snapshot(into=), sized for max_tokens (default: all)."""
+        from flashrt.capsules.capsule import plan_entries
+        _, need = plan_entries(self.arena, self.max_seq_len if max_tokens is None else max_tokens)
+        pin = self.model.device.type == "cpu" and torch.cuda.is_available()
+        data = torch.empty(need, dtype=torch.uint8, device=self.model.device, pin_memory=pin)
+        return Capsule(data, [], CapsuleMeta(0, dict(self.fingerprint), {}))
+
     def _check_into(self, cap: Capsule):
         if cap.meta.fingerprint != self.fingerprint:
             raise CapsuleMismatchError("snapshot(into=): that capsule was made by another model/layout")
 
-    @torch.inference_mode()
+    @torch.no_grad()
     def restore(self, cap: Capsule, kinds=None) -> None:
         """Make the session's state the capsule's. kinds: restore only those (+ meta; unsafe)."""
         with self._lock:
@@ -290,7 +299,7 @@ class Runtime:
         cp = snapshot_arena(self.arena, self._pos, meta, into=reuse, fixed_only=True)
         self._checkpoints.append(cp)
 
-    @torch.inference_mode()
+    @torch.no_grad()
     def rollback(self, position: int) -> None:
         """Return to an earlier token boundary of the current history.
 

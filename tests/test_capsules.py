@@ -1,0 +1,243 @@
+"""Capsule properties, each a test that could fail: never-left continuation, KV-only ablation,
+fork independence, RNG travel, rollback, validation."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+import flashrt
+from conftest import ARCHS, HYBRID
+
+
+def _ids(n, seed=0, vocab=512):
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _decode_logits(rt, tokens):
+    return torch.stack([rt.decode(t) for t in tokens])
+
+
+def _state_bytes(rt) -> torch.Tensor:
+    """The committed state as bytes: fixed range + live rows of every per-token buffer."""
+    a = rt.arena
+    parts = [a.data[a.fixed_begin: a.fixed_end]]
+    parts += [a.bytes_of(s.name, rt.position) for s in a.slots
+              if s.spec.seq_dim == 0 and s.spec.kind != "io"]
+    return torch.cat(parts).clone()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_never_left_continuation_bitwise(arch, runtime):
+    """Snapshot at a non-chunk-aligned boundary, excursion, restore: every logit bitwise equal."""
+    ref, rt = runtime(arch, prefill_chunk=8), runtime(arch, prefill_chunk=8)
+    prompt, cont = _ids(29, 1), _ids(12, 2)          # 29: not a multiple of the chunk
+    ref.prefill(prompt)
+    want = _decode_logits(ref, cont)
+    rt.prefill(prompt)
+    cap = rt.snapshot()
+    assert cap.position == 29 and cap.tokens == prompt
+    rt.prefill(_ids(17, 3))                           # excursion: other tokens, then decode
+    rt.generate(max_new_tokens=5)
+    rt.restore(cap)
+    assert rt.position == 29 and rt.tokens == prompt
+    assert torch.equal(_decode_logits(rt, cont), want)
+    # a fork from the same capsule continues bitwise like the parent
+    child = rt.fork(cap)
+    assert torch.equal(_decode_logits(child, cont), want)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_restore_continues_without_reprefill(arch, runtime):
+    """The last logits travel: generate right after restore matches the never-left run."""
+    ref, rt = runtime(arch), runtime(arch)
+    p = _ids(21, 4)
+    ref.prefill(p)
+    want = ref.generate(max_new_tokens=10)
+    rt.prefill(p)
+    cap = rt.snapshot()
+    rt.reset()
+    rt.restore(cap)
+    assert rt.generate(max_new_tokens=10) == want
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_kv_only_restore(arch, runtime):
+    """KV-only restore diverges on hybrids (recurrent/conv state is load-bearing); on dense
+    Qwen3 it equals the full restore."""
+    rt = runtime(arch)
+    prompt, cont = _ids(25, 5), _ids(6, 6)
+    rt.prefill(prompt)
+    cap = rt.snapshot()
+    full = _decode_logits(rt, cont)
+    rt.prefill(_ids(30, 7))                           # excursion dirties every state kind
+    rt.restore(cap, kinds={"kv"})
+    kv_only = _decode_logits(rt, cont)
+    rt.restore(cap)
+    assert torch.equal(_decode_logits(rt, cont), full)
+    if arch in HYBRID:
+        assert (kv_only - full).abs().max() > 1e-3, f"{arch}: KV-only restore did not diverge"
+    else:
+        assert torch.equal(kv_only, full)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_fork_independence(arch, runtime):
+    parent = runtime(arch)
+    parent.prefill(_ids(20, 8))
+    cap = parent.snapshot()
+    cont = _ids(8, 9)
+    want = _decode_logits(parent.fork(cap), cont)     # a pristine fork as the reference
+
+    child = parent.fork()
+    child.prefill(_ids(40, 10))                       # the child's work...
+    child.generate(max_new_tokens=5, temperature=1.0)
+    assert torch.equal(_decode_logits(parent, cont), want)   # ...never touches the parent
+    parent.prefill(_ids(9, 11))                       # and the reverse
+    child.restore(cap)
+    assert torch.equal(_decode_logits(child, cont), want)
+
+
+def test_forks_in_threads(runtime):
+    parent = runtime("qwen3")
+    parent.prefill(_ids(16, 12))
+    cap = parent.snapshot()
+    cont = _ids(10, 13)
+    want = _decode_logits(parent.fork(cap), cont)
+    kids = [parent.fork(cap) for _ in range(3)]
+    out = {}
+    threads = [threading.Thread(target=lambda i=i: out.__setitem__(i, _decode_logits(kids[i], cont)))
+               for i in range(3)]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    assert all(torch.equal(out[i], want) for i in range(3))
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_rng_travels_in_capsule(arch, runtime):
+    rt = runtime(arch)
+    rt.generate(_ids(12, 14), max_new_tokens=5, temperature=1.0, seed=123)
+    cap = rt.snapshot()
+    a = rt.generate(max_new_tokens=10, temperature=1.0)
+    rt.restore(cap)
+    b = rt.generate(max_new_tokens=10, temperature=1.0)
+    assert a == b
+    # fork seeds: same seed -> same stream, other seed -> other stream
+    c1, c2, c3 = rt.fork(cap, seed=1), rt.fork(cap, seed=1), rt.fork(cap, seed=2)
+    s1, s2, s3 = (c.generate(max_new_tokens=10, temperature=1.0) for c in (c1, c2, c3))
+    assert s1 == s2 and s1 != s3
+    assert rt.fork(cap).generate(max_new_tokens=10, temperature=1.0) == a  # continues parent stream
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_rollback(arch, runtime):
+    rt = runtime(arch, checkpoint_every=8, prefill_chunk=16)
+    hist = _ids(37, 15)
+    rt.prefill(hist[:24])
+    at24 = _state_bytes(rt)
+    logits24 = rt.decode(hist[24])     # history continues past the checkpoint
+    rt.prefill(hist[25:])
+    rt.generate(max_new_tokens=4)
+    rt.rollback(24)                    # 24 is a checkpoint boundary: bitwise
+    assert rt.position == 24 and rt.tokens == hist[:24]
+    assert torch.equal(_state_bytes(rt), at24)
+    assert torch.equal(rt.decode(hist[24]), logits24)
+    for p in (30, 19, 3):              # anywhere: within 1e-4 of a fresh prefill of p tokens
+        rt.prefill(hist[rt.position: 37]) if rt.position < 37 else None
+        rt.rollback(p)
+        fresh = runtime(arch)
+        want = fresh.prefill(hist[:p])
+        assert (rt.arena["meta.logits"] - want).abs().max() <= 1e-4
+        assert rt.generate(max_new_tokens=8) == fresh.generate(max_new_tokens=8)
+    with pytest.raises(ValueError, match="rollback position 99"):
+        rt.rollback(99)
+
+
+def test_rollback_after_restore_uses_capsule(runtime):
+    rt = runtime("qwen3_5" if "qwen3_5" in ARCHS else "qwen3", checkpoint_every=1000)
+    h = _ids(30, 16)
+    rt.prefill(h[:20])
+    cap = rt.snapshot()
+    rt.reset()
+    rt.restore(cap)
+    rt.prefill(h[20:])
+    rt.rollback(20)                    # no checkpoint below 1000: the restored capsule serves
+    assert torch.equal(_state_bytes(rt)[: cap.nbytes], _state_bytes(rt)[: cap.nbytes])
+    fresh = runtime("qwen3_5" if "qwen3_5" in ARCHS else "qwen3")
+    fresh.prefill(h[:20])
+    assert torch.equal(rt.arena["meta.logits"], fresh.arena["meta.logits"])
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_snapshot_cost_is_live_extent(arch, runtime):
+    rt = runtime(arch)
+    rt.prefill(_ids(33, 17))
+    cap = rt.snapshot()
+    assert cap.nbytes == rt.arena.fixed_state_bytes + 33 * rt.arena.per_token_bytes
+    assert {"kv", "meta", "rng"} <= cap.kinds and not cap.kinds & {"io", "scratch"}
+    rt.prefill(_ids(5, 18))
+    with pytest.raises(flashrt.CapsuleMismatchError, match="needs"):
+        rt.snapshot(into=cap)          # 33 rows of room, 38 needed: refused, never overrun
+    target = rt.empty_capsule()        # preallocated for max_seq_len
+    data_ptr = target.data.data_ptr()
+    for extra in (0, 7):
+        rt.prefill(_ids(extra + 1, 19))
+        again = rt.snapshot(into=target)
+        assert again is target and target.position == rt.position
+        assert target.data.data_ptr() == data_ptr
+        assert torch.equal(target.view("meta.tokens"), torch.tensor(rt.tokens))
+
+
+def test_validation_refuses_and_leaves_state(runtime, ckpt):
+    rt = runtime("qwen3")
+    rt.prefill(_ids(12, 20))
+    good = rt.snapshot()
+    rt.prefill(_ids(3, 21))
+    before = rt.arena.data.clone()
+
+    def refused(cap, match):
+        with pytest.raises(flashrt.CapsuleMismatchError, match=match):
+            rt.restore(cap)
+        assert torch.equal(rt.arena.data, before) and rt.position == 15
+
+    other_w = flashrt.load(ckpt("qwen3", seed=1), dtype="float32", max_seq_len=256)
+    refused(other_w.snapshot(), "weights")
+    short = runtime("qwen3", max_seq_len=8)
+    for key, val in (("config", "x"), ("dtype", "bfloat16"), ("layout", "y")):
+        bad = rt.snapshot()
+        bad.meta.fingerprint[key] = val
+        refused(bad, key)
+    with pytest.raises(flashrt.CapsuleMismatchError, match="max_seq_len 8"):
+        short.restore(good)
+    with pytest.raises(ValueError, match="non-capsule kinds"):
+        rt.restore(good, kinds={"io"})
+    if len(ARCHS) > 1:
+        other_model = runtime([a for a in ARCHS if a != "qwen3"][0])
+        refused(other_model.snapshot(), "model_type")
+
+
+def test_single_use_capsule_threads(runtime):
+    rt = runtime("qwen3")
+    rt.prefill(_ids(10, 22))
+    cap = rt.snapshot(single_use=True)
+    kids = [runtime("qwen3") for _ in range(8)]
+    for k in kids:
+        k.prefill([1, 2, 3])
+    before = [k.arena.data.clone() for k in kids]
+    results, barrier = [None] * 8, threading.Barrier(8)
+
+    def go(i):
+        barrier.wait()
+        try:
+            kids[i].restore(cap)
+            results[i] = "ok"
+        except flashrt.CapsuleConsumedError:
+            results[i] = "consumed"
+    ts = [threading.Thread(target=go, args=(i,)) for i in range(8)]
+    [t.start() for t in ts]
+    [t.join() for t in ts]
+    assert results.count("ok") == 1 and results.count("consumed") == 7
+    for i, k in enumerate(kids):
+        if results[i] == "consumed":
+            assert torch.equal(k.arena.data, before[i]) and k.position == 3
