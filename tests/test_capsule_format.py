@@ -1,0 +1,238 @@
+"""Capsule files (capsules/format.py): round trip, safetensors compatibility, damage detection,
+atomic replacement. Capsules are built by hand so no model is needed (one test uses qwen3 tiny)."""
+import os
+import random
+import struct
+
+import pytest
+import safetensors
+import safetensors.torch
+import torch
+
+import flashrt.capsules.format as fmt
+from flashrt.arena import CAPSULE_KINDS
+from flashrt.capsules.capsule import Capsule, CapsuleMeta, Entry, dtype_from_name
+from flashrt.errors import CapsuleCorruptError
+
+
+def make_capsule(position=5, seed=0, single_use=False, parent=None) -> Capsule:
+    """Odd sizes and a gap in the fixed block, so file offsets and capsule offsets differ and
+    some file offsets are unaligned for their dtype."""
+    g = torch.Generator().manual_seed(seed)
+    specs = [("sampler.rng", "rng", "int64", (2,), False),
+             ("state.flag", "meta", "uint8", (7,), False),                # 7 B: misaligns what follows
+             ("meta.logits", "meta", "float32", (13,), False),
+             ("meta.tokens", "meta", "int64", (position,), True),
+             ("layers.0.attn.k", "kv", "bfloat16", (position, 3, 5), True),
+             ("layers.0.conv", "conv", "float16", (position, 3), True),
+             ("layers.1.rec", "recurrent", "int32", (3,), False)]
+    entries, off = [], 0
+    for i, (name, kind, dt, shape, seq) in enumerate(specs):
+        e = Entry(name, kind, dt, shape, off, seq)
+        entries.append(e)
+        off = (off + e.nbytes + (255 if i < 2 else 63)) // 64 * 64   # arena-like padding
+    data = torch.zeros(off, dtype=torch.uint8)     # exact size, as snapshot allocates
+    cap = Capsule(data, entries, CapsuleMeta(
+        position, {"model_type": "fake", "config": "c" * 16, "weights": "w" * 16, "dtype": "float32",
+                   "layout": "l" * 16}, {"device": "cpu", "threads": 2, "note": "ünïcode"},
+        parent=parent, single_use=single_use, extra={"k": [1, 2.5, None]}))
+    for e in entries:
+        v = cap.view(e.name)
+        if e.name == "meta.tokens":
+            v.copy_(torch.arange(100, 100 + position))
+        elif v.dtype.is_floating_point:
+            v.copy_(torch.randn(v.shape, generator=g))
+        else:
+            cap.raw(e).copy_(torch.randint(0, 256, (e.nbytes,), generator=g, dtype=torch.uint8))
+    return cap
+
+
+def assert_same(a: Capsule, b: Capsule):
+    assert a.entries == b.entries
+    assert a.meta == b.meta
+    for e in a.entries:
+        assert torch.equal(a.raw(e), b.raw(e)), e.name
+
+
+@pytest.fixture
+def saved(tmp_path):
+    cap = make_capsule()
+    path = tmp_path / "c.capsule"
+    cap.save(path)
+    return cap, path
+
+
+def test_round_trip(saved):
+    cap, path = saved
+    back = Capsule.load(path)
+    assert_same(cap, back)
+    assert torch.equal(cap.data, back.data)     # gaps are zero in both
+    assert back.tokens == list(range(100, 105))
+    assert back.device.type == "cpu"
+
+
+@pytest.mark.parametrize("position", [0, 1, 37])
+def test_round_trip_positions_and_meta(tmp_path, position):
+    cap = make_capsule(position, seed=position, single_use=True, parent="abc")
+    cap.save(tmp_path / "c")
+    back = fmt.load_capsule(tmp_path / "c")
+    assert_same(cap, back)
+    assert back.meta.single_use and back.meta.parent == "abc"
+
+
+def test_readable_by_safetensors(saved):
+    cap, path = saved
+    with safetensors.safe_open(str(path), "pt") as f:
+        assert list(f.keys()) == sorted(e.name for e in cap.entries)
+        md = f.metadata()
+        for e in cap.entries:
+            t = f.get_tensor(e.name)
+            assert t.dtype == dtype_from_name(e.dtype) and tuple(t.shape) == e.shape
+    assert md["format"] == "flashrt.capsule" and md["version"] == "1"
+    assert md["tokens"] == "[100,101,102,103,104]"
+    loaded = safetensors.torch.load_file(str(path))
+    assert set(loaded) == {e.name for e in cap.entries}
+    for name, t in loaded.items():
+        assert t.dtype == cap.view(name).dtype and torch.equal(t, cap.view(name)), name
+
+
+def test_header_is_padded_and_entries_contiguous(saved):
+    cap, path = saved
+    raw = path.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    assert n % 8 == 0 and raw[8 + n - 1:8 + n] in (b" ", b"}")
+    assert len(raw) == 8 + n + cap.nbytes
+    assert raw[8 + n:] == b"".join(cap.raw(e).numpy().tobytes() for e in cap.entries)
+
+
+def _expect_corrupt(path, data: bytes, *, match=None):
+    path.write_bytes(data)
+    with pytest.raises(CapsuleCorruptError, match=match):
+        fmt.load_capsule(path)
+
+
+def test_every_flipped_byte_is_detected(saved, tmp_path):
+    cap, path = saved
+    raw = path.read_bytes()
+    hlen = 8 + struct.unpack("<Q", raw[:8])[0]
+    rng = random.Random(1)
+    bad = tmp_path / "bad"
+    bad.write_bytes(raw)
+    fd = os.open(bad, os.O_RDWR)      # patch one byte in place: rewriting the file is ~50x slower
+    positions = [(i, 0xFF) for i in range(hlen)]                      # every header byte, inverted
+    positions += [(i, 1 << rng.randrange(8)) for i in range(hlen)]    # and with one bit flipped
+    positions += [(rng.randrange(hlen, len(raw)), rng.randrange(1, 256)) for _ in range(200)]
+    try:
+        for i, mask in positions:
+            os.pwrite(fd, bytes([raw[i] ^ mask]), i)
+            try:
+                fmt.load_capsule(bad)
+            except CapsuleCorruptError:
+                pass
+            except Exception as e:    # noqa: BLE001 - the point is naming the wrong type
+                pytest.fail(f"byte {i} ^ {mask:#x}: {type(e).__name__}: {e}")
+            else:
+                pytest.fail(f"byte {i} ^ {mask:#x}: loaded without error")
+            os.pwrite(fd, raw[i:i + 1], i)
+    finally:
+        os.close(fd)
+    assert_same(cap, fmt.load_capsule(bad))    # the restored file is intact again
+
+
+def test_truncation(saved, tmp_path):
+    cap, path = saved
+    raw = path.read_bytes()
+    hlen = 8 + struct.unpack("<Q", raw[:8])[0]
+    bad = tmp_path / "bad"
+    for n in sorted({0, 1, 4, 7, 8, 9, hlen // 2, hlen - 1, hlen, hlen + 1,
+                     (hlen + len(raw)) // 2, len(raw) - 1}):
+        _expect_corrupt(bad, raw[:n], match="bad")
+
+
+def test_appended_garbage(saved, tmp_path):
+    cap, path = saved
+    raw = path.read_bytes()
+    for tail in (b"\0", b"x" * 8, raw):
+        _expect_corrupt(tmp_path / "bad", raw + tail, match="trailing|data region")
+
+
+def test_wrong_magic_and_version(tmp_path, monkeypatch):
+    cap = make_capsule()
+    with monkeypatch.context() as m:          # a consistent file that differs only in these fields
+        m.setattr(fmt, "MAGIC", "someone.else")
+        cap.save(tmp_path / "magic")
+    with monkeypatch.context() as m:
+        m.setattr(fmt, "VERSION", "2")
+        cap.save(tmp_path / "version")
+    with pytest.raises(CapsuleCorruptError, match="not a FlashRT capsule.*someone.else"):
+        fmt.load_capsule(tmp_path / "magic")
+    with pytest.raises(CapsuleCorruptError, match="version '2'"):
+        fmt.load_capsule(tmp_path / "version")
+
+
+def test_plain_safetensors_and_missing_file(tmp_path):
+    safetensors.torch.save_file({"x": torch.ones(3)}, str(tmp_path / "plain"))
+    with pytest.raises(CapsuleCorruptError, match="not a FlashRT capsule"):
+        fmt.load_capsule(tmp_path / "plain")
+    with pytest.raises(FileNotFoundError):
+        fmt.load_capsule(tmp_path / "nope")
+
+
+def test_atomic_save_failure_keeps_old_file(saved, monkeypatch):
+    cap, path = saved
+    before = path.read_bytes()
+    written = [0]
+    real = fmt._write_all
+
+    def failing(f, mv):
+        if written[0] + mv.nbytes > 1000:      # header goes through, the data write dies
+            real(f, mv[: 1000 - written[0]])
+            raise OSError(28, "No space left on device (simulated)")
+        written[0] += mv.nbytes
+        real(f, mv)
+
+    monkeypatch.setattr(fmt, "_write_all", failing)
+    with pytest.raises(OSError, match="simulated"):
+        make_capsule(position=9, seed=3).save(path)
+    assert path.read_bytes() == before
+    assert os.listdir(path.parent) == [path.name]       # no temp file left behind
+    assert_same(cap, fmt.load_capsule(path))
+    monkeypatch.setattr(fmt, "_write_all", real)
+    new = make_capsule(position=9, seed=3)
+    new.save(path)                                       # and a good save replaces it
+    assert_same(new, fmt.load_capsule(path))
+    assert os.listdir(path.parent) == [path.name]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_cuda_capsule(tmp_path):
+    cap = make_capsule().to("cuda")
+    cap.save(tmp_path / "c")
+    back = fmt.load_capsule(tmp_path / "c", device="cuda")
+    assert back.device.type == "cuda"
+    assert_same(cap.to("cpu"), back.to("cpu"))
+
+
+def _capsule_state(rt):
+    """Arena bytes a restore decides: the fixed range (padding included) and live KV rows."""
+    a = rt.arena
+    parts = [a.data[a.fixed_begin:a.fixed_end]]
+    parts += [a.bytes_of(s.name, rt.position) for s in a.slots
+              if s.spec.kind in CAPSULE_KINDS and s.spec.seq_dim is not None]
+    return torch.cat(parts).clone()
+
+
+def test_real_runtime_save_load_restore(runtime, tmp_path):
+    rt = runtime("qwen3")
+    rt.prefill([3, 1, 4, 1, 5, 9, 2, 6])
+    cap = rt.snapshot()
+    cap.save(tmp_path / "rt.capsule")
+    rt.generate(max_new_tokens=4)
+    rt.restore(cap)
+    want = _capsule_state(rt)
+    want_next = rt.generate(max_new_tokens=4)
+    loaded = Capsule.load(tmp_path / "rt.capsule")
+    assert_same(cap, loaded)
+    rt.restore(loaded)
+    assert torch.equal(_capsule_state(rt), want)
+    assert rt.generate(max_new_tokens=4) == want_next
