@@ -35,9 +35,10 @@ class Entry:
     name: str
     kind: str
     dtype: str
-    shape: tuple          # live shape: rows [0, position) for per-token buffers
+    shape: tuple          # stored shape: rows [row0, position) for per-token buffers
     offset: int           # byte offset in the capsule buffer
     seq: bool
+    row0: int = 0         # first stored row; > 0 in shared-prefix (delta) capsules
 
     @property
     def nbytes(self) -> int:
@@ -68,6 +69,7 @@ class Capsule:
         self._claim = threading.Lock()
         self._consumed = False
         self.generation = 0               # bumped when rewritten in place (snapshot(into=))
+        self.parent_capsule: Capsule | None = None   # delta capsules: rows below row0 live here
 
     # ---- public properties --------------------------------------------------------------
     @property
@@ -76,7 +78,31 @@ class Capsule:
 
     @property
     def nbytes(self) -> int:
+        """Bytes this capsule holds itself (a delta capsule excludes its parent's rows)."""
         return sum(e.nbytes for e in self.entries)
+
+    @property
+    def id(self) -> str:
+        return self.meta.extra.get("id", "")
+
+    @property
+    def is_delta(self) -> bool:
+        return any(e.row0 for e in self.entries)
+
+    def chain(self) -> list["Capsule"]:
+        """[root, ..., self]: the capsules whose rows compose this one's state."""
+        out, c = [self], self
+        while c.is_delta:
+            p = c.parent_capsule
+            if p is None:
+                raise CapsuleMismatchError(f"delta capsule {c.id} needs its parent "
+                                           f"{(c.meta.parent or {}).get('id')}, which is not attached")
+            if p.id != c.meta.parent.get("id") or p.position != c.meta.parent.get("position"):
+                raise CapsuleMismatchError(f"delta capsule {c.id}: attached parent {p.id}@{p.position} "
+                                           f"is not the one it was made from {c.meta.parent}")
+            out.append(p)
+            c = p
+        return out[::-1]
 
     @property
     def kinds(self) -> frozenset:
@@ -120,7 +146,9 @@ class Capsule:
         data.copy_(self.data)
         if self.device.type == "cuda" or device.type == "cuda":
             torch.cuda.synchronize()
-        return Capsule(data, list(self.entries), replace(self.meta))
+        out = Capsule(data, list(self.entries), replace(self.meta))
+        out.parent_capsule = self.parent_capsule
+        return out
 
     def save(self, path) -> None:
         from .format import save_capsule
@@ -144,8 +172,12 @@ class Capsule:
 
 
 # ---- layout of a capsule for an arena at a position ------------------------------------------
-def plan_entries(arena: Arena, position: int) -> tuple[list[Entry], int]:
-    """Entries for every capsule-kind buffer, and the bytes the capsule buffer needs."""
+def plan_entries(arena: Arena, position: int, row0: int = 0) -> tuple[list[Entry], int]:
+    """Entries for every capsule-kind buffer, and the bytes the capsule buffer needs.
+
+    row0 > 0 makes a delta capsule: per-token state rows [row0, position) only, except the
+    token history (meta kind), which is always whole so a capsule alone names its prefix.
+    """
     entries = []
     for s in arena.slots:
         if s.spec.kind not in CAPSULE_KINDS or s.spec.seq_dim is not None:
@@ -156,9 +188,10 @@ def plan_entries(arena: Arena, position: int) -> tuple[list[Entry], int]:
     for s in arena.slots:
         if s.spec.kind not in CAPSULE_KINDS or s.spec.seq_dim is None:
             continue
-        shape = (position,) + tuple(s.spec.shape[1:])
-        entries.append(Entry(s.name, s.spec.kind, dtype_name(s.spec.dtype), shape, off, True))
-        off = _round(off + position * s.spec.row_bytes)
+        r0 = 0 if s.spec.kind == "meta" else row0
+        shape = (position - r0,) + tuple(s.spec.shape[1:])
+        entries.append(Entry(s.name, s.spec.kind, dtype_name(s.spec.dtype), shape, off, True, r0))
+        off = _round(off + shape[0] * s.spec.row_bytes)
     return entries, off
 
 
@@ -179,7 +212,7 @@ def copy_pairs(arena: Arena, cap: Capsule, entries, to_capsule: bool):
             pairs.append((a, c) if to_capsule else (c, a))
     for e in entries:
         if e.seq and e.shape[0] > 0:
-            a, c = arena.bytes_of(e.name, e.shape[0]), cap.raw(e)
+            a, c = arena.rows_bytes(e.name, e.row0, e.row0 + e.shape[0]), cap.raw(e)
             pairs.append((a, c) if to_capsule else (c, a))
     return pairs
 
@@ -194,8 +227,8 @@ def _fixed_block_ok(arena: Arena, cap: Capsule, fixed) -> bool:
 
 
 def snapshot_arena(arena: Arena, position: int, meta: CapsuleMeta, into: Capsule | None = None,
-                   pin: bool = False, fixed_only: bool = False) -> Capsule:
-    entries, need = plan_entries(arena, position)
+                   pin: bool = False, fixed_only: bool = False, parent: Capsule | None = None) -> Capsule:
+    entries, need = plan_entries(arena, position, parent.position if parent is not None else 0)
     if fixed_only:   # rollback checkpoints: KV rows below the position stay valid in the arena
         entries = [e for e in entries if not e.seq]
         need = _round(arena.fixed_end - arena.fixed_begin)
@@ -214,17 +247,34 @@ def snapshot_arena(arena: Arena, position: int, meta: CapsuleMeta, into: Capsule
     else:
         data = torch.empty(need, dtype=torch.uint8, device=arena.device, pin_memory=pin)
         cap = Capsule(data, entries, meta)
+    cap.parent_capsule = parent
     copy_segments(copy_pairs(arena, cap, entries, to_capsule=True))
     return cap
 
 
 def restore_arena(arena: Arena, cap: Capsule, kinds: frozenset) -> None:
-    entries = [e for e in cap.entries if e.kind in kinds]
-    copy_segments(copy_pairs(arena, cap, entries, to_capsule=False))
+    """Copy the capsule (and, for a delta capsule, its ancestors' rows) into the arena."""
+    pairs = []
+    for anc in cap.chain()[:-1]:       # ancestors give only their per-token rows below row0
+        rows = [e for e in anc.entries if e.seq and e.kind != "meta" and e.kind in kinds]
+        pairs += copy_pairs(arena, anc, rows, to_capsule=False)
+    pairs += copy_pairs(arena, cap, [e for e in cap.entries if e.kind in kinds], to_capsule=False)
+    copy_segments(pairs)
 
 
 def check_fits(cap: Capsule, arena: Arena, fingerprint: dict, max_seq_len: int) -> None:
     """Refuse, naming the field, any capsule that does not fit; nothing is written before this."""
+    chain = cap.chain()
+    for anc in chain[:-1]:
+        _check_one(anc, arena, fingerprint, max_seq_len)
+    _check_one(cap, arena, fingerprint, max_seq_len)
+    for parent, child in zip(chain, chain[1:]):
+        if child.view("meta.tokens")[: parent.position].tolist() != parent.tokens:
+            raise CapsuleMismatchError(f"delta capsule {child.id}: its history does not extend "
+                                       f"its parent's {parent.id}")
+
+
+def _check_one(cap: Capsule, arena: Arena, fingerprint: dict, max_seq_len: int) -> None:
     theirs = cap.meta.fingerprint
     for key in ("model_type", "config", "weights", "dtype", "layout"):
         if theirs.get(key) != fingerprint.get(key):
@@ -243,8 +293,8 @@ def check_fits(cap: Capsule, arena: Arena, fingerprint: dict, max_seq_len: int) 
             raise CapsuleMismatchError(f"capsule buffer {e.name!r} has kind/dtype/shape "
                                        f"{e.kind}/{e.dtype}/{e.shape}, runtime expects "
                                        f"{spec.kind}/{dtype_name(spec.dtype)}/{spec.shape}")
-        if e.seq and e.shape[0] != cap.position:
-            raise CapsuleMismatchError(f"capsule buffer {e.name!r} holds {e.shape[0]} rows, "
-                                       f"position is {cap.position}")
+        if e.seq and e.row0 + e.shape[0] != cap.position:
+            raise CapsuleMismatchError(f"capsule buffer {e.name!r} holds rows [{e.row0}, "
+                                       f"{e.row0 + e.shape[0]}), position is {cap.position}")
         if e.offset + e.nbytes > cap.data.numel():
             raise CapsuleMismatchError(f"capsule buffer {e.name!r} lies outside the capsule data")

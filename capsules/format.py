@@ -43,7 +43,8 @@ def _header(entries, meta: CapsuleMeta, tokens: list, checksum: str) -> bytes:
           "fingerprint": _js(meta.fingerprint), "provenance": _js(meta.provenance),
           "kinds": _js(sorted({e.kind for e in entries})), "tokens": _js(tokens),
           "parent": _js(meta.parent), "single_use": _js(meta.single_use), "extra": _js(meta.extra),
-          "entries": _js([[e.name, e.kind, e.dtype, list(e.shape), e.offset, e.seq] for e in entries]),
+          "entries": _js([[e.name, e.kind, e.dtype, list(e.shape), e.offset, e.seq, e.row0]
+                         for e in entries]),
           "checksum": checksum}
     hdr, pos = {"__metadata__": md}, 0
     for e in entries:   # file order = entry order, tiling the data region as safetensors requires
@@ -120,12 +121,12 @@ def _int(x, what) -> int:
 
 
 def _entry(row) -> Entry:
-    name, kind, dtype, shape, offset, seq = row
+    name, kind, dtype, shape, offset, seq, row0 = row
     if not (isinstance(name, str) and isinstance(kind, str) and type(seq) is bool
             and isinstance(shape, list) and dtype in _ST_DTYPES):
         raise ValueError(f"bad entry {row!r}")
     return Entry(name, kind, dtype, tuple(_int(s, f"{name} shape") for s in shape),
-                 _int(offset, f"{name} offset"), seq)
+                 _int(offset, f"{name} offset"), seq, _int(row0, f"{name} row0"))
 
 
 def _parse(path, head: bytes, data_bytes: int):

@@ -126,6 +126,12 @@ class Arena:
         n = s.spec.nbytes if rows is None else rows * s.spec.row_bytes
         return self.data[s.offset: s.offset + n]
 
+    def rows_bytes(self, name: str, r0: int, r1: int) -> torch.Tensor:
+        """Raw uint8 view of rows [r0, r1) of a per-token buffer."""
+        s = self._slot[name]
+        rb = s.spec.row_bytes
+        return self.data[s.offset + r0 * rb: s.offset + r1 * rb]
+
     def names(self, kinds=None) -> list[str]:
         return [s.name for s in self.slots if kinds is None or s.spec.kind in kinds]
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import threading
+import uuid
 from dataclasses import dataclass
 
 import torch
@@ -60,7 +61,9 @@ class Runtime:
         self._lock = threading.RLock()
         self._pos = 0
         self._checkpoints: list[Capsule] = []     # fixed state at multiples of checkpoint_every
-        self._base: tuple | None = None           # (capsule, generation) last restored from
+        # (capsule, generation) pairs whose per-token rows equal the arena's rows below their
+        # position: parents for shared-prefix snapshots and sources for rollback.
+        self._anchors: list[tuple] = []
         self._has_fixed_state = any(s.spec.kind in ("recurrent", "conv", "mtp")
                                     for s in self.arena.slots)
         self.finish_reason = None
@@ -222,25 +225,47 @@ class Runtime:
             a["sampler.rng"].copy_(rng)
             self._pos = 0
             self._checkpoints.clear()
-            self._base = None
+            self._anchors.clear()
 
     def seed(self, seed: int) -> None:
         with self._lock, torch.no_grad():
             seed_rng(self.arena["sampler.rng"], seed)
 
     # ---- capsules -----------------------------------------------------------------------------
-    def _capsule_meta(self, single_use=False) -> CapsuleMeta:
+    def _capsule_meta(self, single_use=False, parent: Capsule | None = None) -> CapsuleMeta:
         prov = {"device": str(self.model.device), "threads": torch.get_num_threads(),
                 "torch": torch.__version__, "flashrt": __version__, "pid": os.getpid()}
-        return CapsuleMeta(self._pos, dict(self.fingerprint), prov, single_use=single_use)
+        ref = {"id": parent.id, "position": parent.position} if parent is not None else None
+        return CapsuleMeta(self._pos, dict(self.fingerprint), prov, parent=ref,
+                           single_use=single_use, extra={"id": uuid.uuid4().hex})
 
     @torch.no_grad()
-    def snapshot(self, into: Capsule | None = None, single_use: bool = False) -> Capsule:
-        """Copy the committed state (KV rows [0, position), fixed state, RNG, metadata)."""
+    def snapshot(self, into: Capsule | None = None, single_use: bool = False,
+                 parent: Capsule | None = None) -> Capsule:
+        """Copy the committed state (KV rows [0, position), fixed state, RNG, metadata).
+
+        parent: a capsule this session was restored from (or snapshotted) whose rows it still
+        holds unchanged; the result stores only rows [parent.position, position) plus the
+        fixed state and references the parent (a shared-prefix capsule).
+        """
         with self._lock:
             if into is not None:
                 self._check_into(into)
-            return snapshot_arena(self.arena, self._pos, self._capsule_meta(single_use), into=into)
+            if parent is not None and not self._is_anchor(parent):
+                raise CapsuleMismatchError(
+                    f"snapshot(parent=): this session's state does not extend capsule {parent.id} "
+                    "(it was not restored or snapshotted here, or rows below it were rewritten)")
+            cap = snapshot_arena(self.arena, self._pos, self._capsule_meta(single_use, parent),
+                                 into=into, parent=parent)
+            self._add_anchor(cap)
+            return cap
+
+    def _is_anchor(self, cap: Capsule) -> bool:
+        return any(c is cap and g == cap.generation and c.position <= self._pos
+                   for c, g in self._anchors)
+
+    def _add_anchor(self, cap: Capsule) -> None:
+        self._anchors = [(c, g) for c, g in self._anchors if c is not cap][-7:] + [(cap, cap.generation)]
 
     def empty_capsule(self, max_tokens: int | None = None) -> Capsule:
         """A preallocated capsule buffer for snapshot(into=), sized for max_tokens (default: all)."""
@@ -267,7 +292,8 @@ class Runtime:
             restore_arena(self.arena, cap, want & cap.kinds)
             self._pos = cap.position
             self._checkpoints.clear()
-            self._base = (cap, cap.generation)
+            # a partial restore leaves a mixed state: nothing may build on it
+            self._anchors = [(c, c.generation) for c in cap.chain()] if kinds is None else []
 
     def fork(self, cap: Capsule | None = None, seed: int | None = None) -> "Runtime":
         """An independent session over the same weights, starting from `cap` or the live state.
@@ -315,6 +341,8 @@ class Runtime:
             history = self.arena["meta.tokens"][:position].clone()
             self._checkpoints = [c for c in self._checkpoints if c.position <= position]
             src = self._rollback_source(position)
+            floor = src.position if src is not None else 0     # rows from here are rewritten
+            self._anchors = [(c, g) for c, g in self._anchors if c.position <= floor]
             if src is None:
                 self.reset()
             elif isinstance(src, Capsule):
@@ -328,10 +356,7 @@ class Runtime:
 
     def _rollback_source(self, position: int):
         cands = [c for c in self._checkpoints if c.position <= position]
-        if self._base is not None:
-            cap, gen = self._base
-            if cap.generation == gen and cap.position <= position:
-                cands.append(cap)
+        cands += [c for c, g in self._anchors if c.generation == g and c.position <= position]
         if not self._has_fixed_state and position > 0 and not any(c.position == position for c in cands):
             return _KVOnlyPoint(position - 1)   # attention-only: KV rows are the whole state
         return max(cands, key=lambda c: c.position, default=None)

@@ -241,3 +241,46 @@ def test_single_use_capsule_threads(runtime):
     for i, k in enumerate(kids):
         if results[i] == "consumed":
             assert torch.equal(k.arena.data, before[i]) and k.position == 3
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_shared_prefix_capsule(arch, runtime, tmp_path):
+    """A child of a restored parent stores only its own rows + fixed state; restore composes."""
+    rt = runtime(arch)
+    rt.prefill(_ids(24, 30))
+    parent = rt.snapshot()
+    rt.reset()
+    rt.restore(parent)
+    rt.prefill(_ids(7, 31))
+    full = rt.snapshot()
+    child = rt.snapshot(parent=parent)
+    a = rt.arena
+    kv_row = sum(s.spec.row_bytes for s in a.slots if s.spec.seq_dim == 0 and s.spec.kind != "meta")
+    assert child.nbytes == a.fixed_state_bytes + 7 * kv_row + 31 * a["meta.tokens"].element_size()
+    assert child.nbytes < full.nbytes and child.tokens == full.tokens
+    cont = _ids(6, 32)
+    want = _decode_logits(rt, cont)
+    other = runtime(arch)
+    other.prefill(_ids(50, 33))                     # dirty arena
+    other.restore(child)
+    assert torch.equal(_state_bytes(other), _state_bytes(rt.fork(full)))
+    assert torch.equal(_decode_logits(other, cont), want)
+    # grandchild: a chain of deltas
+    other.rollback(31)
+    grand = other.snapshot(parent=child)
+    third = runtime(arch)
+    third.restore(grand)
+    assert torch.equal(_decode_logits(third, cont), want)
+    # persisted delta: refused until its parent is attached, then bitwise
+    child.save(tmp_path / "c.cap")
+    loaded = flashrt.Capsule.load(tmp_path / "c.cap")
+    with pytest.raises(flashrt.CapsuleMismatchError, match="needs its parent"):
+        third.restore(loaded)
+    loaded.parent_capsule = parent
+    third.restore(loaded)
+    assert torch.equal(_decode_logits(third, cont), want)
+    # a parent the session does not extend is refused
+    fresh = runtime(arch)
+    fresh.prefill(_ids(30, 34))
+    with pytest.raises(flashrt.CapsuleMismatchError, match="does not extend"):
+        fresh.snapshot(parent=parent)

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# FlashRT set-up and entry points. Usage:
+#   ./run.sh demo    set up (first time), then run the demo on the embedded default model
+#   ./run.sh test    set up (first time), then run the whole test suite
+#   ./run.sh setup   only set up
+# Set-up makes .venv (seeing system site-packages, so an installed torch is reused), installs
+# torch only when none is importable (the CPU wheel torch==2.13.0 when no GPU is present),
+# then builds and installs flashrt with its C++ extension.
+set -euo pipefail
+cd "$(dirname "$0")"
+VENV=.venv
+PY="$VENV/bin/python"
+
+setup() {
+  [ -x "$PY" ] || python3 -m venv --system-site-packages "$VENV"
+  if ! "$PY" -c "import torch" 2>/dev/null; then
+    if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+      "$PY" -m pip install -q torch
+    else
+      "$PY" -m pip install -q torch==2.13.0
+    fi
+  fi
+  "$PY" -m pip install -q "scikit-build-core>=0.10" "pybind11>=2.12" ninja \
+      "safetensors>=0.4" "numpy>=1.24" "transformers>=4.57" pytest matplotlib tqdm
+  # --no-deps: never let pip swap the torch that is already there.
+  "$PY" -m pip install -q --no-build-isolation --no-deps .
+  "$PY" -c "import flashrt.native as n; print('flashrt extension:', n.ext_status())"
+}
+
+case "${1:-demo}" in
+  setup) setup ;;
+  demo)  setup; "$VENV/bin/flashrt" demo "${@:2}" ;;
+  # Run from tests/ so the installed package (extension included) is imported, not the
+  # source tree that `python -m` would put first on sys.path.
+  test)  setup; cd tests && "../$PY" -m pytest -q . "${@:2}" ;;
+  *) echo "usage: ./run.sh demo|test|setup" >&2; exit 2 ;;
+esac
