@@ -1,0 +1,36 @@
+// Export layer only: argument checking lives in launchers.cpp, the work in
+// the kernels. Addresses are Python ints (torch data_ptr()) so the module
+// never links libtorch and is independent of the torch ABI.
+#include <pybind11/pybind11.h>
+
+#include "launchers.h"
+
+#ifndef FLASHRT_VERSION
+#define FLASHRT_VERSION "0.0.0"
+#endif
+
+namespace py = pybind11;
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "FlashRT native kernels: segmented copy and XXH64";
+  m.attr("version") = FLASHRT_VERSION;
+  m.def("copy_segments_cpu", &flashrt::launch::copy_segments_cpu, py::arg("src"), py::arg("dst"),
+        py::arg("nbytes"), py::arg("num_threads") = 0,
+        "Copy nbytes[i] bytes from address src[i] to dst[i] for all i (host memory). "
+        "num_threads=0 uses all hardware threads; small copies stay on the calling thread.");
+#ifdef FLASHRT_WITH_CUDA
+  m.def("copy_segments_cuda", &flashrt::launch::copy_segments_cuda, py::arg("src"), py::arg("dst"),
+        py::arg("nbytes"), py::arg("stream"),
+        "Same as copy_segments_cpu for device memory of the current device, as one kernel "
+        "launch on `stream` (a cudaStream_t as int); asynchronous.");
+#endif
+  m.def("xxh64", &flashrt::launch::xxh64, py::arg("ptr"), py::arg("nbytes"), py::arg("seed") = 0,
+        "XXH64 of nbytes bytes at host address ptr, as an unsigned 64-bit int.");
+  m.def("has_cuda", [] {
+#ifdef FLASHRT_WITH_CUDA
+    return true;
+#else
+    return false;
+#endif
+  }, "Whether copy_segments_cuda was compiled in.");
+}

@@ -1,0 +1,26 @@
+// Launcher layer: validates Python-provided tables and buffers, releases the
+// GIL, then calls the raw kernels in flashrt.h. bindings.cpp only exports.
+#pragma once
+
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+
+#include <cstdint>
+
+namespace flashrt {
+namespace launch {
+
+// No forcecast: numpy may widen int32 -> int64 but never truncates floats
+// into bogus addresses; such calls fail with TypeError.
+using Int64Array = pybind11::array_t<int64_t, pybind11::array::c_style>;
+
+void copy_segments_cpu(const Int64Array& src, const Int64Array& dst, const Int64Array& nbytes,
+                       int num_threads);
+#ifdef FLASHRT_WITH_CUDA
+void copy_segments_cuda(const Int64Array& src, const Int64Array& dst, const Int64Array& nbytes,
+                        std::uintptr_t stream);
+#endif
+uint64_t xxh64(std::uintptr_t ptr, int64_t nbytes, uint64_t seed);
+
+}  // namespace launch
+}  // namespace flashrt

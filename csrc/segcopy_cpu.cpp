@@ -1,0 +1,74 @@
+// Host segmented copy. Runtime state moves (KV blocks, slot swaps) arrive as
+// many small segments or a few huge ones; one memcpy loop is optimal for the
+// former, while the latter needs several cores to approach memory bandwidth.
+#include "flashrt.h"
+
+#include <algorithm>
+#include <cstring>
+#include <system_error>
+#include <thread>
+#include <vector>
+
+namespace flashrt {
+namespace {
+
+// Spawning a thread costs tens of microseconds, so below ~1 MiB the calling
+// thread alone is faster; above it each thread gets at least half a MiB.
+constexpr int64_t kParallelMinBytes = 1 << 20;
+constexpr int64_t kMinBytesPerThread = 1 << 19;
+
+// Copies global byte range [lo, hi) of the concatenated segments. `start` is
+// the exclusive prefix sum of segment sizes (n + 1 entries).
+void copy_range(const int64_t* src, const int64_t* dst, const std::vector<int64_t>& start,
+                int64_t lo, int64_t hi) {
+  if (lo >= hi) return;
+  // Last segment starting at or before lo; empty segments share a start with
+  // their successor, so upper_bound skips them.
+  size_t i = std::upper_bound(start.begin(), start.end(), lo) - start.begin() - 1;
+  for (int64_t pos = lo; pos < hi; ++i) {
+    const int64_t off = pos - start[i];
+    const int64_t len = std::min(start[i + 1], hi) - pos;
+    if (len > 0)
+      std::memcpy(reinterpret_cast<char*>(dst[i]) + off,
+                  reinterpret_cast<const char*>(src[i]) + off, static_cast<size_t>(len));
+    pos += len;
+  }
+}
+
+}  // namespace
+
+void segcopy_cpu(const int64_t* src, const int64_t* dst, const int64_t* nbytes,
+                 int64_t n, int num_threads) {
+  std::vector<int64_t> start(static_cast<size_t>(n) + 1, 0);
+  for (int64_t i = 0; i < n; ++i) start[i + 1] = start[i] + nbytes[i];
+  const int64_t total = start[n];
+
+  if (num_threads <= 0) num_threads = static_cast<int>(std::thread::hardware_concurrency());
+  int64_t threads = 1;
+  if (total > kParallelMinBytes)
+    threads = std::max<int64_t>(1, std::min<int64_t>(num_threads, total / kMinBytesPerThread));
+  if (threads == 1) {
+    copy_range(src, dst, start, 0, total);
+    return;
+  }
+
+  // Even byte split; boundaries rounded to 64 B so threads never share a
+  // destination cache line when segments are cache-line aligned.
+  auto bound = [&](int64_t t) {
+    if (t == threads) return total;
+    return (total / threads * t + std::min(t, total % threads)) & ~int64_t{63};
+  };
+  std::vector<std::thread> pool;
+  pool.reserve(static_cast<size_t>(threads - 1));
+  for (int64_t t = 1; t < threads; ++t) {
+    try {
+      pool.emplace_back(copy_range, src, dst, std::cref(start), bound(t), bound(t + 1));
+    } catch (const std::system_error&) {
+      copy_range(src, dst, start, bound(t), bound(t + 1));  // out of threads: do it here
+    }
+  }
+  copy_range(src, dst, start, 0, bound(1));
+  for (auto& th : pool) th.join();
+}
+
+}  // namespace flashrt

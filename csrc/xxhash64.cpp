@@ -1,0 +1,83 @@
+// XXH64, written from the public spec so flashrt has no third-party C
+// dependency; checksums must equal those of the reference library (and of
+// flashrt.native._xxh64_py) because they are compared across installs.
+#include "flashrt.h"
+
+#include <cstring>
+
+namespace flashrt {
+namespace {
+
+constexpr uint64_t P1 = 0x9E3779B185EBCA87ULL;
+constexpr uint64_t P2 = 0xC2B2AE3D27D4EB4FULL;
+constexpr uint64_t P3 = 0x165667B19E3779F9ULL;
+constexpr uint64_t P4 = 0x85EBCA77C2B2AE63ULL;
+constexpr uint64_t P5 = 0x27D4EB2F165667C5ULL;
+
+inline uint64_t rotl(uint64_t x, int r) { return (x << r) | (x >> (64 - r)); }
+
+// The spec reads input as little-endian words; memcpy keeps unaligned
+// reads legal and compiles to a single load.
+inline uint64_t read64(const unsigned char* p) {
+  uint64_t v;
+  std::memcpy(&v, p, 8);
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
+  v = __builtin_bswap64(v);
+#endif
+  return v;
+}
+inline uint64_t read32(const unsigned char* p) {
+  uint32_t v;
+  std::memcpy(&v, p, 4);
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
+  v = __builtin_bswap32(v);
+#endif
+  return v;
+}
+
+inline uint64_t lane_round(uint64_t acc, uint64_t input) {
+  acc += input * P2;
+  return rotl(acc, 31) * P1;
+}
+inline uint64_t merge(uint64_t acc, uint64_t lane) {
+  acc ^= lane_round(0, lane);
+  return acc * P1 + P4;
+}
+
+}  // namespace
+
+uint64_t xxh64(const void* data, std::size_t len, uint64_t seed) {
+  const auto* p = static_cast<const unsigned char*>(data);
+  const unsigned char* const end = p + len;
+  uint64_t h;
+  if (len >= 32) {
+    // Four independent lanes: the CPU pipelines them, which is where the
+    // algorithm's speed comes from.
+    uint64_t v1 = seed + P1 + P2, v2 = seed + P2, v3 = seed, v4 = seed - P1;
+    for (const unsigned char* limit = end - 32; p <= limit; p += 32) {
+      v1 = lane_round(v1, read64(p));
+      v2 = lane_round(v2, read64(p + 8));
+      v3 = lane_round(v3, read64(p + 16));
+      v4 = lane_round(v4, read64(p + 24));
+    }
+    h = rotl(v1, 1) + rotl(v2, 7) + rotl(v3, 12) + rotl(v4, 18);
+    h = merge(merge(merge(merge(h, v1), v2), v3), v4);
+  } else {
+    h = seed + P5;
+  }
+  h += static_cast<uint64_t>(len);
+  for (; end - p >= 8; p += 8) h = rotl(h ^ lane_round(0, read64(p)), 27) * P1 + P4;
+  if (end - p >= 4) {
+    h = rotl(h ^ (read32(p) * P1), 23) * P2 + P3;
+    p += 4;
+  }
+  for (; p < end; ++p) h = rotl(h ^ (*p * P5), 11) * P1;
+  h ^= h >> 33;
+  h *= P2;
+  h ^= h >> 29;
+  h *= P3;
+  h ^= h >> 32;
+  return h;
+}
+
+}  // namespace flashrt

@@ -1,0 +1,269 @@
+"""flashrt.native and the flashrt._C extension: segmented copy and XXH64.
+
+Copy tests run on every available backend: "ext" (the compiled kernels; skipped
+with the import error as reason when flashrt._C is missing) and "torch" (the
+fallback, forced by hiding the extension).
+"""
+import os
+import random
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+from flashrt import native
+
+needs_ext = pytest.mark.skipif(not native.HAVE_EXT, reason=native.ext_status())
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+
+
+@pytest.fixture(params=["ext", "torch"])
+def backend(request, monkeypatch):
+    if request.param == "ext":
+        if not native.HAVE_EXT:
+            pytest.skip(native.ext_status())
+    else:
+        monkeypatch.setattr(native, "HAVE_EXT", False)
+        monkeypatch.setattr(native, "HAVE_CUDA_EXT", False)
+        monkeypatch.setattr(native, "_warn_fallback", lambda: None)  # tested on its own
+    return request.param
+
+
+def random_segments(rng, nbytes_total, nseg, max_len, device="cpu", align=1):
+    """Non-overlapping random (src, dst) views into two big buffers, plus the
+    dst buffer and its expected contents computed with plain torch copies.
+    Lengths and gaps are multiples of `align` (1: arbitrary misalignment)."""
+    noise = np.random.default_rng(rng.getrandbits(32)).integers(0, 256, nbytes_total, np.uint8)
+    src_buf = torch.from_numpy(noise).to(device)
+    dst_buf = torch.zeros(nbytes_total, dtype=torch.uint8, device=device)
+    lens = [0 if rng.random() < 0.1 else rng.randint(1, max_len) // align * align
+            for _ in range(nseg)]
+    gaps = [rng.randint(0, 40) // align * align for _ in range(nseg)]
+    assert sum(lens) + sum(gaps) <= nbytes_total
+    src_off, o = [], 0
+    for n, g in zip(lens, gaps):
+        src_off.append(o + g)
+        o += g + n
+    order = list(range(nseg))
+    rng.shuffle(order)  # dst blocks in another order than src blocks
+    dst_off, o = [0] * nseg, 0
+    for i in order:
+        dst_off[i] = o + gaps[i]
+        o += gaps[i] + lens[i]
+    pairs = [(src_buf[s:s + n], dst_buf[d:d + n]) for s, d, n in zip(src_off, dst_off, lens)]
+    expected = dst_buf.clone()
+    for (s, _), d, n in zip(pairs, dst_off, lens):
+        expected[d:d + n].copy_(s)
+    return pairs, dst_buf, expected
+
+
+# --------------------------------------------------------------------------- CPU copies
+
+@pytest.mark.parametrize("num_threads", [1, 2])
+def test_many_small_segments(backend, num_threads):
+    pairs, dst, expected = random_segments(random.Random(1), 1 << 20, 500, 1500)
+    native.copy_segments(pairs, num_threads=num_threads)
+    assert torch.equal(dst, expected)
+
+
+@pytest.mark.parametrize("num_threads", [1, 2, 3, None])
+def test_huge_segment_split_across_threads(backend, num_threads):
+    # 5 MiB + 77 B: one segment well past the 1 MiB threshold, uneven split.
+    src = torch.randint(0, 256, (5 * (1 << 20) + 77,), dtype=torch.uint8)
+    dst = torch.zeros_like(src)
+    small_src = torch.randint(0, 256, (333,), dtype=torch.uint8)
+    small_dst = torch.zeros_like(small_src)
+    native.copy_segments([(small_src, small_dst), (src[1:], dst[1:]), (src[:0], dst[:0])],
+                         num_threads=num_threads)
+    assert dst[0] == 0 and torch.equal(dst[1:], src[1:]) and torch.equal(small_dst, small_src)
+
+
+@pytest.mark.parametrize("num_threads", [1, 2])
+def test_random_mixed_sizes(backend, num_threads):
+    rng = random.Random(2)
+    for _ in range(2):
+        pairs, dst, expected = random_segments(rng, 8 << 20, 40, 300_000)
+        native.copy_segments(pairs, num_threads=num_threads)
+        assert torch.equal(dst, expected)
+
+
+def test_empty_and_zero_length(backend):
+    native.copy_segments([])
+    z = torch.empty(0, dtype=torch.uint8)
+    native.copy_segments([(z, z.clone())])
+    assert len(native.SegmentPlan([(z, z)])) == 0
+
+
+def test_plan_reuse(backend):
+    pairs, dst, expected = random_segments(random.Random(3), 1 << 16, 30, 1000)
+    plan = native.SegmentPlan(pairs, num_threads=2)
+    assert plan.total_bytes == sum(s.numel() for s, _ in pairs)
+    plan.run()
+    assert torch.equal(dst, expected)
+    for s, _ in pairs:  # new source contents, same addresses
+        s.add_(1)
+    pairs2 = [(s, d.clone()) for s, d in pairs]
+    native.copy_segments(pairs2)
+    plan.run()
+    for (_, d), (_, d2) in zip(pairs, pairs2):
+        assert torch.equal(d, d2)
+
+
+@pytest.mark.parametrize("bad, msg", [
+    (lambda a, b: (a[:10], b[:11]), "10 bytes"),
+    (lambda a, b: (a[:16].view(torch.int32), b[:4].view(torch.int32)), "uint8"),
+    (lambda a, b: (a[:16].view(4, 4), b[:16].view(4, 4)), "1-D"),
+    (lambda a, b: (a[::2], b[:50]), "contiguous"),
+    (lambda a, b: (a[:4].numpy(), b[:4]), "not a torch.Tensor"),
+    (lambda a, b: (a[:4],), "pair"),
+])
+def test_validation_names_segment(bad, msg):
+    a, b = torch.zeros(100, dtype=torch.uint8), torch.zeros(100, dtype=torch.uint8)
+    good = (a[:5], b[:5])
+    with pytest.raises(ValueError, match=f"segment 1: .*{msg}"):
+        native.copy_segments([good, bad(a, b)])
+    with pytest.raises(ValueError):
+        native.SegmentPlan([good], num_threads=-1)
+
+
+@needs_ext
+def test_raw_binding_checks():
+    C = native._C
+    buf = np.zeros(16, dtype=np.uint8)
+    addr = buf.ctypes.data
+    ok = np.array([addr], dtype=np.int64)
+    with pytest.raises(ValueError, match="length"):
+        C.copy_segments_cpu(ok, ok, np.array([1, 2], dtype=np.int64), 1)
+    with pytest.raises(ValueError, match="negative"):
+        C.copy_segments_cpu(ok, ok, np.array([-1], dtype=np.int64), 1)
+    with pytest.raises(ValueError, match="null"):
+        C.copy_segments_cpu(np.array([0], dtype=np.int64), ok, np.array([4], dtype=np.int64), 1)
+    with pytest.raises(ValueError, match="1-D"):
+        C.copy_segments_cpu(ok.reshape(1, 1), ok.reshape(1, 1), np.ones((1, 1), np.int64), 1)
+    with pytest.raises(TypeError):  # float tables would be truncated addresses: refused
+        C.copy_segments_cpu(ok.astype(np.float64), ok, np.array([1], dtype=np.int64), 1)
+    with pytest.raises(ValueError):
+        C.copy_segments_cpu(ok, ok, np.array([1], dtype=np.int64), -1)
+    with pytest.raises(ValueError):
+        C.xxh64(0, 5, 0)
+    src = np.arange(16, dtype=np.uint8)  # lists and int32 tables are safely widened
+    C.copy_segments_cpu([src.ctypes.data], [addr], np.array([16], dtype=np.int32))
+    assert (buf == src).all()
+
+
+def test_fallback_warns_once(monkeypatch):
+    monkeypatch.setattr(native, "HAVE_EXT", False)
+    monkeypatch.setattr(native, "HAVE_CUDA_EXT", False)
+    native._warn_fallback.cache_clear()
+    a = torch.arange(10, dtype=torch.uint8)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        native.copy_segments([(a, a.clone())])
+        native.xxh64(b"abc")
+        native.copy_segments([(a, a.clone())])
+    assert [w.category for w in caught] == [RuntimeWarning]
+    assert "unavailable" in str(caught[0].message)
+    native._warn_fallback.cache_clear()
+
+
+def test_ext_status_and_version():
+    status = native.ext_status()
+    assert "flashrt._C" in status
+    if native.HAVE_EXT:
+        assert isinstance(native._C.version, str) and native._C.version
+        assert native.HAVE_CUDA_EXT == native._C.has_cuda()
+        assert hasattr(native._C, "copy_segments_cuda") == native._C.has_cuda()
+
+
+# --------------------------------------------------------------------------- xxh64
+
+VECTORS = [(b"", 0, 0xEF46DB3751D8E999), (b"a", 0, 0xD24EC4F1A98C6E5B),
+           (b"abc", 0, 0x44BC2CF5AD770999)]
+
+
+@pytest.mark.parametrize("data, seed, want", VECTORS)
+def test_xxh64_published_vectors(data, seed, want):
+    assert native._xxh64_py(data, seed) == want
+    assert native.xxh64(data, seed) == want
+
+
+@pytest.mark.parametrize("seed", [0, 1, 0x9E3779B185EBCA87, 2**64 - 1])
+def test_xxh64_matches_reference_small(backend, seed):
+    rng = random.Random(seed)
+    for n in range(101):  # covers every tail path and the 32-byte stripe loop
+        data = bytes(rng.getrandbits(8) for _ in range(n))
+        assert native.xxh64(data, seed) == native._xxh64_py(data, seed), n
+
+
+def test_xxh64_large_buffer():
+    data = os.urandom((1 << 20) + 13)
+    want = native._xxh64_py(data, 12345)  # ~0.1 s in pure Python
+    assert native.xxh64(data, 12345) == want
+    assert native.xxh64(bytearray(data), 12345) == want
+    assert native.xxh64(data[:-1], 12345) != want
+
+
+def test_xxh64_input_kinds(backend):
+    data = os.urandom(4099)
+    want = native._xxh64_py(data, 3)
+    t = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    assert native.xxh64(t, 3) == want
+    assert native.xxh64(t[:4096].view(torch.float32).view(32, 32), 3) == native._xxh64_py(data[:4096], 3)
+    assert native.xxh64(memoryview(data), 3) == want
+    assert native.xxh64(np.frombuffer(data, dtype=np.uint8), 3) == want
+    assert native.xxh64(torch.empty(0)) == native._xxh64_py(b"")
+    assert native.xxh64(data, -1) == native._xxh64_py(data, 2**64 - 1)  # seed mod 2**64
+    with pytest.raises(ValueError, match="contiguous"):
+        native.xxh64(t[::2])
+
+
+# --------------------------------------------------------------------------- CUDA
+
+@needs_cuda
+@pytest.mark.parametrize("nseg, max_len, align", [
+    (7, 100_000, 1), (100, 5000, 1), (300, 3000, 1), (2500, 600, 1), (3, 3_000_000, 1),
+    (40, 300_000, 16), (200, 20_000, 8)])
+def test_cuda_single_launch_copy(backend, nseg, max_len, align):
+    # 7 / 100 / 300 / 2500 segments exercise the 32-, 128- and 1024-entry tables
+    # and the multi-launch path; align 1 mixes the 16/8/4/1-byte copy paths,
+    # align 16 takes the vectorised full-tile path throughout.
+    pairs, dst, expected = random_segments(random.Random(nseg), 16 << 20, nseg, max_len, "cuda",
+                                           align)
+    plan = native.SegmentPlan(pairs)
+    assert plan.mode == ("cuda" if native.HAVE_CUDA_EXT else "torch")
+    plan.run()
+    torch.cuda.synchronize()
+    assert torch.equal(dst, expected)
+
+
+@needs_cuda
+def test_cuda_side_stream_and_graph_capture(backend):
+    pairs, dst, expected = random_segments(random.Random(9), 1 << 20, 50, 10_000, "cuda")
+    plan = native.SegmentPlan(pairs)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        plan.run()
+    s.synchronize()
+    assert torch.equal(dst, expected)
+    dst.zero_()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        plan.run()
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(dst, expected)
+
+
+@needs_cuda
+def test_cuda_pinned_transfers(backend):
+    src = torch.randint(0, 256, (1 << 20,), dtype=torch.uint8, device="cuda")
+    host = torch.zeros(1 << 20, dtype=torch.uint8).pin_memory()
+    back = torch.zeros_like(src)
+    native.copy_segments([(src[:1000], host[:1000]), (src[5000:], host[5000:])])
+    native.copy_segments([(host, back)])
+    torch.cuda.synchronize()
+    assert torch.equal(back[:1000], src[:1000]) and torch.equal(back[5000:], src[5000:])
+    assert not back[1000:5000].any()
+    assert native.xxh64(src) == native.xxh64(src.cpu())
