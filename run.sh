@@ -8,7 +8,7 @@
 # then builds and installs flashrt with its C++ extension.
 set -euo pipefail
 cd "$(dirname "$0")"
-VENV=.venv
+VENV="$PWD/.venv"
 PY="$VENV/bin/python"
 
 setup() {
@@ -24,7 +24,8 @@ setup() {
       "safetensors>=0.4" "numpy>=1.24" "transformers>=4.57" pytest matplotlib tqdm
   # --no-deps: never let pip swap the torch that is already there.
   "$PY" -m pip install -q --no-build-isolation --no-deps .
-  "$PY" -c "import flashrt.native as n; print('flashrt extension:', n.ext_status())"
+  # from tests/, so the installed package is imported rather than the source tree
+  (cd tests && "$PY" -c "import flashrt.native as n; print('flashrt extension:', n.ext_status())")
 }
 
 case "${1:-demo}" in
@@ -32,6 +33,6 @@ case "${1:-demo}" in
   demo)  setup; "$VENV/bin/flashrt" demo "${@:2}" ;;
   # Run from tests/ so the installed package (extension included) is imported, not the
   # source tree that `python -m` would put first on sys.path.
-  test)  setup; cd tests && "../$PY" -m pytest -q . "${@:2}" ;;
+  test)  setup; cd tests && "$PY" -m pytest -q . "${@:2}" ;;
   *) echo "usage: ./run.sh demo|test|setup" >&2; exit 2 ;;
 esac
