@@ -1,0 +1,1 @@
+"""FlashRT benchmark scripts (see bench/README.md)."""

@@ -1,0 +1,285 @@
+"""Capsule snapshot / restore / save / load latency against state bytes, per tier, each next to a
+plain copy of the same bytes on the same device measured in the same run.
+
+Tiers:
+  device  arena -> capsule in the same memory (rt.snapshot(into=cap), rt.restore(cap));
+          plain copy = one dst.copy_(src) between preallocated buffers of the same total size.
+          Also rt.snapshot() into a fresh allocation, next to torch.empty + copy_ (allocation cost).
+  host    CUDA only: device arena -> host capsule (snapshot + Capsule.to("cpu")) and back;
+          plain copy = one copy_ into / out of preallocated pinned host memory. On a CPU device the
+          arena already lives in host memory, so this tier is the device tier.
+  disk    Capsule.save (write + fsync, atomic rename) and Capsule.load (read with a warm page cache,
+          checksum verified); plain = write + fsync of the same bytes, and a read of them into a
+          preallocated buffer.
+
+Long prefixes are not prefilled (slow on CPU): copy cost depends only on bytes, so the arena is
+filled with random bytes and the session position is set directly. This is said in the output.
+
+    python bench/capsules.py                  # qwen3 and qwen3_5 at their real shapes, 1-256 MiB
+    python bench/capsules.py --quick          # small shapes, 1 and 4 MiB, 2 repeats
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench import common as C  # noqa: E402
+
+TARGET_RATIO = 1.5
+SYNTH_NOTE = ("state synthesized: arena filled with random bytes and the session position set "
+              "directly (no prefill); copy cost depends only on the bytes moved")
+
+
+def parse(argv):
+    p = C.base_parser("bench/capsules.py", "Capsule snapshot/restore/save/load vs plain copies")
+    p.add_argument("--arch", default=None,
+                   help="comma list of qwen3, qwen3_5, lfm2 or all (default qwen3,qwen3_5)")
+    p.add_argument("--size", default=None, help="tiny, small or real (default real; small in --quick)")
+    p.add_argument("--mib", type=float, nargs="+", default=None,
+                   help="target capsule sizes in MiB (default 1 4 16 64 256; 1 4 in --quick)")
+    p.add_argument("--tmpdir", default=None, help="directory for the disk tier (default: system temp)")
+    p.add_argument("--no-disk", action="store_true", help="skip the disk tier")
+    a = p.parse_args(argv)
+    C.setup(a)
+    a.size = a.size or ("small" if a.quick else "real")
+    a.mib = a.mib or ([1, 4] if a.quick else [1, 4, 16, 64, 256])
+    a.repeats = a.repeats or (2 if a.quick else 5)
+    a.warmup = 1 if a.warmup is None else a.warmup
+    arch = a.arch or "qwen3,qwen3_5"
+    a.archs = list(C.ARCHS) if arch == "all" else arch.split(",")
+    return a
+
+
+def positions_for(fixed: int, per_token: int, targets_mib) -> list:
+    out = []
+    for t in targets_mib:
+        p = max(1, -(-(int(t * 2**20) - fixed) // per_token))
+        if p not in out:
+            out.append(p)
+    return sorted(out)
+
+
+def synthesize(rt, position: int) -> None:
+    """Random bytes everywhere, valid token ids, position set directly (no compute)."""
+    import torch
+    a = rt.arena
+    a.data.random_(0, 256)
+    g = torch.Generator().manual_seed(position)
+    a["meta.tokens"].copy_(torch.randint(0, rt.net.vocab_size, a["meta.tokens"].shape, generator=g))
+    a["meta.position"].fill_(position)
+    rt._pos = position
+    rt._checkpoints.clear()
+    rt._base = None
+
+
+def same_bytes(rt, cap) -> bool:
+    import torch
+    for e in cap.entries:
+        if not torch.equal(rt.arena.bytes_of(e.name, e.shape[0] if e.seq else None).cpu(),
+                           cap.raw(e).cpu()):
+            return False
+    return True
+
+
+def plain_write(buf, path) -> None:
+    with open(path, "wb", buffering=0) as f:
+        mv = memoryview(buf.numpy())
+        while mv.nbytes:
+            mv = mv[f.write(mv):]
+        os.fsync(f.fileno())
+
+
+def plain_read(buf, path) -> None:
+    with open(path, "rb", buffering=0) as f:
+        mv = memoryview(buf.numpy())
+        while mv.nbytes:
+            n = f.readinto(mv)
+            if not n:
+                raise IOError(f"{path}: short read")
+            mv = mv[n:]
+
+
+def bench_arch(arch, a, tmp, tables, quick_note):
+    import torch
+    from flashrt.capsules.capsule import Capsule
+    path = C.checkpoint(arch, a.size)
+    lab = C.label(arch, a.size)
+    # a throwaway runtime at length 1 just to read the layout sizes
+    probe = C.load_flashrt(path, a, max_seq_len=1)
+    fixed, per_tok = probe.arena.fixed_state_bytes, probe.arena.per_token_bytes
+    del probe
+    C.free_memory()
+    pos_list = positions_for(fixed, per_tok, a.mib)
+    rt = C.load_flashrt(path, a, max_seq_len=max(pos_list))
+    dev = torch.device(a.device)
+    cuda = dev.type == "cuda"
+    pre = rt.empty_capsule(max(pos_list))                 # preallocated capsule, reused
+    max_bytes = rt.arena.capsule_bytes(max(pos_list))
+    src = torch.empty(max_bytes, dtype=torch.uint8, device=dev).random_(0, 256)
+    dst = torch.empty_like(src).zero_()
+    host = None
+    if cuda:
+        host = torch.empty(max_bytes, dtype=torch.uint8, pin_memory=True).zero_()
+    cpu_buf = torch.empty(max_bytes, dtype=torch.uint8).zero_()     # disk plain read/write buffer
+
+    mem = C.Table(f"{lab}: device tier ({a.device}, {a.dtype}; {C.fmt_bytes(fixed)} fixed + "
+                  f"{C.fmt_bytes(per_tok)}/token)",
+                  ["state", "tokens", "plain copy ms", "snapshot(into) ms", "ratio", "restore ms",
+                   "ratio", "snapshot() fresh ms", "ratio", "empty+copy ms", "plain GB/s"])
+    hst = C.Table(f"{lab}: host tier (device arena <-> pinned host capsule)",
+                  ["state", "tokens", "plain D2H ms", "snapshot+to(cpu) ms", "ratio", "plain H2D ms",
+                   "to(dev)+restore ms", "ratio"])
+    dsk = C.Table(f"{lab}: disk tier ({tmp}; warm page cache for reads)",
+                  ["state", "tokens", "plain write+fsync ms", "save ms", "ratio", "plain read ms",
+                   "load ms", "ratio", "save MB/s"])
+    rows = []
+    for P in C.progress(pos_list, desc=f"{arch} sizes"):
+        synthesize(rt, P)
+        probe_cap = rt.snapshot(into=pre)
+        nb = probe_cap.nbytes
+        s, d = src[:nb], dst[:nb]
+        row = {"position": P, "state_bytes": nb}
+        cases = {
+            "plain_copy": C.Case(lambda: d.copy_(s)),
+            "snapshot_into": C.Case(lambda: rt.snapshot(into=pre)),
+            "restore": C.Case(lambda: rt.restore(pre)),
+            "snapshot_fresh": C.Case(lambda: rt.snapshot()),
+            "empty_copy": C.Case(lambda: torch.empty(nb, dtype=torch.uint8, device=dev).copy_(s)),
+        }
+        st = C.measure(cases, a.repeats, a.warmup, a.device, desc=f"{arch} {C.fmt_bytes(nb)} device")
+        rt.snapshot(into=pre)
+        row["restore_exact"] = same_bytes(rt, pre)
+        row["device"] = {k: v for k, v in st.items()}
+        pc = st["plain_copy"]
+        r = {k: C.ratio(st[k], pc) for k in ("snapshot_into", "restore", "snapshot_fresh")}
+        row["device_ratio"] = r
+        gbs = nb / pc.median / 1e9
+        mem.add(C.fmt_bytes(nb), P, pc.ms(2), st["snapshot_into"].ms(2), _flag(r["snapshot_into"], nb),
+                st["restore"].ms(2), _flag(r["restore"], nb), st["snapshot_fresh"].ms(2),
+                C.fmt_ratio(r["snapshot_fresh"]), st["empty_copy"].ms(2), f"{gbs:.1f}")
+
+        if cuda:
+            hb = host[:nb]
+            holder = {}
+
+            def to_host():
+                holder["cap"] = rt.snapshot(into=pre).to("cpu")
+
+            def from_host():
+                rt.restore(holder["cap"].to(dev))
+            to_host()
+            cases = {"plain_d2h": C.Case(lambda: hb.copy_(d, non_blocking=True)),
+                     "snapshot_to_host": C.Case(to_host),
+                     "plain_h2d": C.Case(lambda: d.copy_(hb, non_blocking=True)),
+                     "host_restore": C.Case(from_host)}
+            st = C.measure(cases, a.repeats, a.warmup, a.device, desc=f"{arch} {C.fmt_bytes(nb)} host")
+            row["host"] = dict(st)
+            r1, r2 = C.ratio(st["snapshot_to_host"], st["plain_d2h"]), C.ratio(st["host_restore"], st["plain_h2d"])
+            row["host_ratio"] = {"snapshot_to_host": r1, "host_restore": r2}
+            hst.add(C.fmt_bytes(nb), P, st["plain_d2h"].ms(2), st["snapshot_to_host"].ms(2), _flag(r1, nb),
+                    st["plain_h2d"].ms(2), st["host_restore"].ms(2), _flag(r2, nb))
+
+        if not a.no_disk:
+            cap_file, plain_file = tmp / f"{arch}-{P}.capsule", tmp / f"{arch}-{P}.plain"
+            cb = cpu_buf[:nb]
+            rt.snapshot(into=pre)
+            holder = {}
+
+            def save():
+                pre.save(cap_file)
+
+            def load():
+                holder["cap"] = Capsule.load(cap_file)
+            save()
+            plain_write(cb, plain_file)
+            cases = {"plain_write": C.Case(lambda: plain_write(cb, plain_file)),
+                     "save": C.Case(save),
+                     "plain_read": C.Case(lambda: plain_read(cb, plain_file)),
+                     "load": C.Case(load)}
+            st = C.measure(cases, a.repeats, a.warmup, "cpu", desc=f"{arch} {C.fmt_bytes(nb)} disk")
+            loaded = holder["cap"]
+            row["load_exact"] = all(
+                torch.equal(loaded.raw(e), pre.raw(e).cpu()) for e in pre.entries)
+            row["file_bytes"] = cap_file.stat().st_size
+            row["disk"] = dict(st)
+            r1, r2 = C.ratio(st["save"], st["plain_write"]), C.ratio(st["load"], st["plain_read"])
+            row["disk_ratio"] = {"save": r1, "load": r2}
+            dsk.add(C.fmt_bytes(nb), P, st["plain_write"].ms(2), st["save"].ms(2), C.fmt_ratio(r1),
+                    st["plain_read"].ms(2), st["load"].ms(2), C.fmt_ratio(r2),
+                    f"{nb / st['save'].median / 1e6:.0f}")
+            del holder, loaded
+            for f in (cap_file, plain_file):
+                f.unlink(missing_ok=True)
+        rows.append(row)
+
+    exact = all(r["restore_exact"] for r in rows) and all(r.get("load_exact", True) for r in rows)
+    mem.notes += [f"ratio = flashrt / plain copy of the same bytes; target <= {TARGET_RATIO}x for "
+                  f"states >= 1 MiB ('!' marks a miss)",
+                  "snapshot() fresh allocates its buffer each call; snapshot(into=) reuses one "
+                  "preallocated with rt.empty_capsule(); empty+copy is torch.empty + copy_ "
+                  "(the allocation cost any fresh copy pays)",
+                  f"restored arena bytes == capsule bytes at every size: {exact}", SYNTH_NOTE]
+    dsk.notes += ["save = checksum + header + write + fsync + atomic rename + directory fsync; "
+                  "load = read + canonical-header and checksum verification into a fresh buffer",
+                  "plain = write + fsync of the same bytes / readinto a preallocated buffer; "
+                  "ratio = flashrt / plain"]
+    tables.append(mem)
+    if cuda:
+        hst.notes.append("to(cpu) allocates a fresh pinned buffer per call; plain copies use "
+                         "preallocated pinned memory")
+        tables.append(hst)
+    else:
+        quick_note.append(f"{lab}: host tier = device tier on a CPU device (the arena already "
+                          "lives in host memory); not measured separately")
+    if not a.no_disk:
+        tables.append(dsk)
+    out = {"arch": arch, "size": a.size, "checkpoint": C.short_path(path), "fixed_state_bytes": fixed,
+           "per_token_bytes": per_tok, "rows": rows, "all_exact": exact}
+    del rt, pre, src, dst, host, cpu_buf
+    C.free_memory()
+    return out
+
+
+def _flag(r, nbytes) -> str:
+    s = C.fmt_ratio(r)
+    return s + ("!" if r is not None and nbytes >= 2**20 and r > TARGET_RATIO else "")
+
+
+def main(argv=None) -> int:
+    a = parse(argv)
+    info = C.banner("capsules", a)
+    print(SYNTH_NOTE)
+    if not C.have_native():
+        print("WARNING: flashrt._C is not built: copies use torch and the capsule checksum is "
+              "pure-Python XXH64 (very slow); build it (pip install --no-build-isolation .) or set "
+              "FLASHRT_EXT_DIR. Disk tier limited to states under 2 MiB.")
+        a.mib = [m for m in a.mib if m < 2] or [1]
+    tmp = Path(tempfile.mkdtemp(prefix="flashrt-bench-", dir=a.tmpdir))
+    tables, results, notes = [], [], []
+    try:
+        for arch in a.archs:
+            if not C.arch_available(arch):
+                print(f"{arch}: model file not present in this checkout, skipped")
+                continue
+            n0 = len(tables)
+            results.append(bench_arch(arch, a, tmp, tables, notes))
+            C.print_tables(tables[n0:])
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    for n in notes:
+        print(n)
+    if tables:
+        tables[-1].notes += notes
+    data = {"targets_mib": a.mib, "repeats": a.repeats, "warmup": a.warmup, "size": a.size,
+            "target_ratio": TARGET_RATIO, "synthesized": True, "results": results}
+    C.write_json("capsules", a, info, tables, data, argv)
+    return 0 if all(r["all_exact"] for r in results) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

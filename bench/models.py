@@ -1,0 +1,121 @@
+"""Prefill and decode latency: FlashRT vs transformers' eager model, same weights and dtype.
+
+Prefill: time from token ids to the last position's logits (transformers: logits_to_keep=1,
+with its cache built as in any generate call). Decode: one step with the cache of a prefilled
+context (transformers: its own cache object via past_key_values, use_cache=True).
+
+    python bench/models.py                      # qwen3 at the real Qwen3-0.6B shape, fp32, CPU
+    python bench/models.py --arch all --repeats 1
+    python bench/models.py --quick              # tiny checkpoints, short prompts, one repeat
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench import common as C  # noqa: E402
+
+
+def parse(argv):
+    p = C.base_parser("bench/models.py", "Prefill and decode step: flashrt vs transformers")
+    p.add_argument("--arch", default="qwen3", help="qwen3, qwen3_5, lfm2, all, or a comma list")
+    p.add_argument("--size", default=None, help="tiny, small or real (default real; tiny in --quick)")
+    p.add_argument("--prefill", type=int, nargs="+", default=None,
+                   help="prefill lengths (default 512 2048; 32 128 in --quick)")
+    p.add_argument("--decode-steps", type=int, default=None,
+                   help="timed decode steps after the first prefill length (default 16; 4 in --quick)")
+    p.add_argument("--hf-attn", default=None,
+                   help="transformers attn_implementation (default: its own default, sdpa)")
+    a = p.parse_args(argv)
+    C.setup(a)
+    a.size = a.size or ("tiny" if a.quick else "real")
+    a.prefill = a.prefill or ([32, 128] if a.quick else [512, 2048])
+    a.decode_steps = a.decode_steps or (4 if a.quick else 16)
+    a.repeats = a.repeats or (1 if a.quick else 3)
+    a.warmup = 1 if a.warmup is None else a.warmup
+    a.archs = list(C.ARCHS) if a.arch == "all" else a.arch.split(",")
+    return a
+
+
+def bench_arch(arch, a, tables):
+    import torch
+    path = C.checkpoint(arch, a.size)
+    lab = C.label(arch, a.size)
+    ctx = a.prefill[0]
+    rt = C.load_flashrt(path, a, max_seq_len=max(a.prefill) + a.decode_steps + a.warmup + 2)
+    hf = C.load_hf(path, a, a.hf_attn)
+    vocab = rt.net.vocab_size
+    res = {"arch": arch, "size": a.size, "checkpoint": C.short_path(path), "hf_attn": C.hf_attn_name(hf),
+           "hf_class": type(hf).__name__, "prefill": {}, "decode": {}}
+    t = C.Table(f"{lab}: prefill and decode ({a.device}, {a.dtype}, transformers attn="
+                f"{res['hf_attn']})",
+                ["step", "flashrt ms", "transformers ms", "flashrt/transformers", "max |dlogit|"])
+
+    for L in a.prefill:
+        ids = C.random_ids(L, vocab, seed=L)
+        cases = {"flashrt": C.Case(lambda: rt.prefill(ids), setup=rt.reset),
+                 "transformers": C.Case(lambda: C.hf_forward(hf, ids, a.device)[0])}
+        st = C.measure(cases, a.repeats, a.warmup, a.device, desc=f"{arch} prefill {L}")
+        rt.reset()
+        diff = float((rt.prefill(ids) - C.hf_forward(hf, ids, a.device)[0]).abs().max())
+        r = C.ratio(st["flashrt"], st["transformers"])
+        res["prefill"][L] = {"flashrt": st["flashrt"], "transformers": st["transformers"],
+                             "ratio": r, "max_abs_logit_diff": diff}
+        t.add(f"prefill {L}", st["flashrt"].ms(), st["transformers"].ms(), C.fmt_ratio(r), f"{diff:.2e}")
+
+    # decode: context of `ctx` tokens, then steps timed one by one, alternating the two systems
+    ids = C.random_ids(ctx, vocab, seed=ctx)
+    rt.reset()
+    lf = rt.prefill(ids)
+    lh, cache = C.hf_forward(hf, ids, a.device)
+    stf, sth = C.Stats(), C.Stats()
+    state = {"f": lf, "h": lh, "cache": cache}
+
+    def f_step():
+        state["f"] = rt.decode(int(state["f"].argmax()))
+
+    def h_step():
+        state["h"], state["cache"] = C.hf_forward(hf, [int(state["h"].argmax())], a.device, state["cache"])
+
+    for i in C.progress(range(a.warmup + a.decode_steps), desc=f"{arch} decode"):
+        df, _ = C.time_once(f_step, a.device)
+        dh, _ = C.time_once(h_step, a.device)
+        if i >= a.warmup:
+            stf.samples.append(df)
+            sth.samples.append(dh)
+    diff = float((state["f"] - state["h"]).abs().max())
+    r = C.ratio(stf, sth)
+    res["decode"] = {"context": ctx, "steps": a.decode_steps, "flashrt": stf, "transformers": sth,
+                     "ratio": r, "max_abs_logit_diff_last_step": diff}
+    t.add(f"decode step @{ctx}", stf.ms(), sth.ms(), C.fmt_ratio(r), f"{diff:.2e}")
+    t.notes.append("ratio < 1: flashrt faster; max |dlogit|: largest logit difference between the "
+                   "two systems on the same input (a sanity check, not a timing)")
+    t.notes.append(f"weights: {C.short_path(path)} (random)")
+    tables.append(t)
+    del rt, hf, cache, state
+    C.free_memory()
+    torch.manual_seed(0)
+    return res
+
+
+def main(argv=None) -> int:
+    a = parse(argv)
+    info = C.banner("models", a)
+    tables, results = [], []
+    for arch in a.archs:
+        if not C.arch_available(arch):
+            print(f"{arch}: model file not present in this checkout, skipped")
+            continue
+        results.append(bench_arch(arch, a, tables))
+        print()
+        print(tables[-1].text())
+    data = {"prefill_lengths": a.prefill, "decode_steps": a.decode_steps, "repeats": a.repeats,
+            "warmup": a.warmup, "size": a.size, "results": results}
+    C.write_json("models", a, info, tables, data, argv)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,271 @@
+"""Time to first token with and without prefix reuse, FlashRT vs transformers (vs llama.cpp).
+
+For each model and shared-prefix length P (suffix of S new tokens):
+  flashrt cold      reset; prefill(prefix + suffix); first token = argmax of the last logits
+  flashrt capsule   restore(capsule taken after the prefix); prefill(suffix); first token
+  transformers cold         forward(prefix + suffix, logits_to_keep=1)
+  transformers deep-copy    copy.deepcopy(cache after the prefix); forward(suffix, that cache)
+  llama.cpp (optional)      eval(prefix + suffix) / load_state(state after prefix) + eval(suffix)
+Every path then decodes greedily; "same N tok" says whether its first N greedy tokens equal
+those of its own cold path (flashrt also compares the first-token logits bit for bit).
+
+    python bench/ttft.py                 # CPU defaults: qwen3_5 0.8B shape + qwen3/lfm2 small, 512-2048
+    python bench/ttft.py --full          # + 4096 and the real shapes of all three
+    python bench/ttft.py --quick         # tiny checkpoints, prefix 64/128, one repeat
+"""
+from __future__ import annotations
+
+import copy
+import importlib.util
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench import common as C  # noqa: E402
+
+LLAMA_MISSING = ("llama.cpp: not installed (optional bench extra: pip install llama-cpp-python; "
+                 "needs a GGUF conversion, see bench/README)")
+
+
+def parse(argv):
+    p = C.base_parser("bench/ttft.py", "TTFT: cold prefill vs capsule / cache-copy prefix reuse")
+    p.add_argument("--full", action="store_true", help="add prefix 4096 and real shapes of all three")
+    p.add_argument("--models", default=None,
+                   help="comma list of arch:size (default qwen3_5:real,qwen3:small,lfm2:small)")
+    p.add_argument("--prefix", type=int, nargs="+", default=None, help="shared prefix lengths")
+    p.add_argument("--suffix", type=int, default=16, help="new tokens after the prefix (default 16)")
+    p.add_argument("--gen", type=int, default=16, help="greedy tokens compared per path (default 16)")
+    p.add_argument("--gguf", action="append", default=[], metavar="ARCH:SIZE=PATH",
+                   help="GGUF conversion of that checkpoint for the llama.cpp column (repeatable)")
+    p.add_argument("--no-hf", action="store_true", help="skip the transformers columns")
+    p.add_argument("--plot", default=None, help="PNG path (default bench/results/ttft.png)")
+    a = p.parse_args(argv)
+    C.setup(a)
+    if a.models is None:
+        if a.quick:
+            a.models = "qwen3_5:tiny,qwen3:tiny,lfm2:tiny"
+        elif a.full:
+            a.models = "qwen3_5:real,qwen3:small,lfm2:small,qwen3:real,lfm2:real"
+        else:
+            a.models = "qwen3_5:real,qwen3:small,lfm2:small"
+    a.configs = [tuple(m.split(":")) if ":" in m else (m, "small") for m in a.models.split(",")]
+    if a.prefix is None:
+        a.prefix = [64, 128] if a.quick else [512, 1024, 2048] + ([4096] if a.full else [])
+    a.repeats = a.repeats or (1 if a.quick else 3)
+    a.warmup = (0 if a.quick else 1) if a.warmup is None else a.warmup
+    a.gguf = dict(g.split("=", 1) for g in a.gguf)
+    return a
+
+
+# ---- llama.cpp (optional) ---------------------------------------------------------------------
+def llama_installed() -> bool:
+    return importlib.util.find_spec("llama_cpp") is not None
+
+
+class LlamaPath:
+    """llama-cpp-python over a GGUF conversion of the same checkpoint (same token ids).
+
+    State reuse goes through llama-cpp-python's save_state/load_state, which add Python-side
+    copies on top of llama.cpp's C state API; the column says so."""
+
+    def __init__(self, gguf: str, n_ctx: int, threads: int):
+        from llama_cpp import Llama
+        self.llm = Llama(model_path=gguf, n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
+                         n_batch=512, logits_all=False, verbose=False)
+        self.state = None
+
+    def _last(self):
+        import numpy as np
+        return np.array(self.llm.scores[self.llm.n_tokens - 1], copy=True)
+
+    def cold(self, ids):
+        self.llm.reset()
+        self.llm.eval(ids)
+        return self._last()
+
+    def prime(self, prefix):
+        self.llm.reset()
+        self.llm.eval(prefix)
+        self.state = self.llm.save_state()
+
+    def reuse(self, suffix):
+        self.llm.load_state(self.state)
+        self.llm.eval(suffix)
+        return self._last()
+
+    def greedy(self, logits, n):
+        toks = []
+        for i in range(n):
+            t = int(logits.argmax())
+            toks.append(t)
+            if i + 1 < n:
+                self.llm.eval([t])
+                logits = self._last()
+        return toks
+
+
+# ---- one model ----------------------------------------------------------------------------------
+def bench_model(arch, size, a, table, llama_rows):
+    import torch
+    path = C.checkpoint(arch, size)
+    lab = C.label(arch, size)
+    n_ctx = max(a.prefix) + a.suffix + a.gen + 1
+    rt = C.load_flashrt(path, a, max_seq_len=n_ctx)
+    hf = None if a.no_hf else C.load_hf(path, a)
+    llama = None
+    key = f"{arch}:{size}"
+    if key in a.gguf and llama_installed():
+        llama = LlamaPath(a.gguf[key], n_ctx, torch.get_num_threads())
+    vocab = rt.net.vocab_size
+    out = {"arch": arch, "size": size, "label": lab, "checkpoint": C.short_path(path),
+           "hf_attn": C.hf_attn_name(hf) if hf is not None else None, "points": []}
+    for P in C.progress(a.prefix, desc=f"{arch}/{size} prefixes"):
+        prefix = C.random_ids(P, vocab, seed=P)
+        suffix = C.random_ids(a.suffix, vocab, seed=P + 7919)
+        full = prefix + suffix
+        rt.reset()
+        rt.prefill(prefix)
+        cap = rt.snapshot()
+        got = {}
+
+        def keep(name, toks_logits):
+            got[name] = toks_logits
+
+        cases = {
+            "flashrt_cold": C.Case(lambda: rt.prefill(full), setup=rt.reset,
+                                   post=lambda l: keep("flashrt_cold", (C.rt_greedy(rt, l, a.gen), l))),
+            "flashrt_capsule": C.Case(lambda: (rt.restore(cap), rt.prefill(suffix))[1],
+                                      post=lambda l: keep("flashrt_capsule", (C.rt_greedy(rt, l, a.gen), l))),
+        }
+        if hf is not None:
+            _, pcache = C.hf_forward(hf, prefix, a.device)
+            cases["hf_cold"] = C.Case(lambda: C.hf_forward(hf, full, a.device),
+                                      post=lambda r: keep("hf_cold", (C.hf_greedy(hf, *r, a.gen, a.device), r[0])))
+            cases["hf_reuse"] = C.Case(
+                lambda: C.hf_forward(hf, suffix, a.device, copy.deepcopy(pcache)),
+                post=lambda r: keep("hf_reuse", (C.hf_greedy(hf, *r, a.gen, a.device), r[0])))
+        if llama is not None:
+            llama.prime(prefix)
+            cases["llama_cold"] = C.Case(lambda: llama.cold(full),
+                                         post=lambda l: keep("llama_cold", (llama.greedy(l, a.gen), l)))
+            cases["llama_reuse"] = C.Case(lambda: llama.reuse(suffix),
+                                          post=lambda l: keep("llama_reuse", (llama.greedy(l, a.gen), l)))
+        st = C.measure(cases, a.repeats, a.warmup, a.device, desc=f"{arch}/{size} P={P}")
+
+        def toks(name):
+            return got[name][0][0] if name in got else None
+
+        pt = {"prefix": P, "suffix": a.suffix, "capsule_bytes": cap.nbytes,
+              "times": {k: v for k, v in st.items()}, "tokens": {k: toks(k) for k in got}}
+        pt["flashrt_same_tokens"] = toks("flashrt_capsule") == toks("flashrt_cold")
+        pt["flashrt_same_logits"] = bool(torch.equal(got["flashrt_capsule"][1], got["flashrt_cold"][1]))
+        pt["flashrt_speedup"] = C.ratio(st["flashrt_cold"], st["flashrt_capsule"])
+        row = [lab, P, C.fmt_bytes(cap.nbytes), st["flashrt_cold"].ms(0), st["flashrt_capsule"].ms(1),
+               C.fmt_ratio(pt["flashrt_speedup"], 1),
+               _same(pt["flashrt_same_tokens"]) + (" (logits bitwise)" if pt["flashrt_same_logits"] else
+                                                   " (logits differ)")]
+        if hf is not None:
+            pt["hf_same_tokens"] = toks("hf_reuse") == toks("hf_cold")
+            pt["hf_max_abs_logit_diff"] = float((got["hf_reuse"][1] - got["hf_cold"][1]).abs().max())
+            pt["hf_speedup"] = C.ratio(st["hf_cold"], st["hf_reuse"])
+            pt["flashrt_vs_hf_cold"] = C.ratio(st["flashrt_cold"], st["hf_cold"])
+            pt["flashrt_vs_hf_reuse"] = C.ratio(st["flashrt_capsule"], st["hf_reuse"])
+            row += [st["hf_cold"].ms(0), st["hf_reuse"].ms(1), C.fmt_ratio(pt["hf_speedup"], 1),
+                    _same(pt["hf_same_tokens"]), C.fmt_ratio(pt["flashrt_vs_hf_cold"]),
+                    C.fmt_ratio(pt["flashrt_vs_hf_reuse"])]
+        else:
+            row += ["-"] * 6
+        if llama is not None:
+            pt["llama_same_tokens"] = toks("llama_reuse") == toks("llama_cold")
+            pt["llama_speedup"] = C.ratio(st["llama_cold"], st["llama_reuse"])
+            llama_rows.append([lab, P, st["llama_cold"].ms(0), st["llama_reuse"].ms(1),
+                               C.fmt_ratio(pt["llama_speedup"], 1), _same(pt["llama_same_tokens"]),
+                               C.fmt_ratio(C.ratio(st["flashrt_capsule"], st["llama_reuse"]))])
+        table.add(*row)
+        out["points"].append(pt)
+        del cap, got, cases
+        C.free_memory()
+    del rt, hf, llama
+    C.free_memory()
+    return out
+
+
+def _same(b: bool) -> str:
+    return "yes" if b else "NO"
+
+
+def plot(results, path, a) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    n = len(results)
+    fig, axes = plt.subplots(1, n, figsize=(4.2 * n, 3.6), squeeze=False)
+    series = [("flashrt_cold", "flashrt cold", "C0", "--"), ("flashrt_capsule", "flashrt capsule", "C0", "-"),
+              ("hf_cold", "transformers cold", "C1", "--"), ("hf_reuse", "transformers deep-copy", "C1", "-"),
+              ("llama_cold", "llama.cpp cold", "C2", "--"), ("llama_reuse", "llama.cpp state", "C2", "-")]
+    for ax, r in zip(axes[0], results):
+        xs = [p["prefix"] for p in r["points"]]
+        for key, name, color, ls in series:
+            ys = [p["times"][key].median * 1e3 for p in r["points"] if key in p["times"]]
+            if len(ys) == len(xs) and ys:
+                ax.plot(xs, ys, linestyle=ls, color=color, marker="o", ms=3, label=name)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xticks(xs, [str(x) for x in xs])
+        ax.set_title(r["label"], fontsize=9)
+        ax.set_xlabel(f"shared prefix tokens (+{a.suffix} new)")
+        ax.set_ylabel("TTFT ms (median)")
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle(f"TTFT on {a.device} {a.dtype} (random weights; {C.cpu_model() if a.device == 'cpu' else a.device})",
+                 fontsize=9)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    print(f"wrote {path}")
+
+
+def main(argv=None) -> int:
+    a = parse(argv)
+    info = C.banner("ttft", a)
+    headers = ["model", "prefix", "capsule", "flashrt cold ms", "flashrt capsule ms", "speedup",
+               f"same {a.gen} tok", "transformers cold ms", "deep-copy ms", "speedup",
+               f"same {a.gen} tok", "flashrt/tf cold", "flashrt/tf reuse"]
+    table = C.Table(f"TTFT ({a.device}, {a.dtype}, suffix {a.suffix} tokens)", headers)
+    llama_rows, results = [], []
+    for arch, size in a.configs:
+        if not C.arch_available(arch):
+            print(f"{arch}: model file not present in this checkout, skipped")
+            continue
+        results.append(bench_model(arch, size, a, table, llama_rows))
+    table.notes += ["speedup = cold / reuse for the same system; flashrt/tf < 1: flashrt faster",
+                    f"same {a.gen} tok: the reuse path's first {a.gen} greedy tokens equal its own cold "
+                    "path's; for flashrt also whether the first-token logits are bitwise equal",
+                    "transformers' hybrid layers run its reference PyTorch kernels on CPU "
+                    "(flash-linear-attention / causal-conv1d not installed), and so do flashrt's"]
+    tables = [table]
+    if llama_rows:
+        lt = C.Table("llama.cpp (llama-cpp-python save_state/load_state, which add Python-side copies)",
+                     ["model", "prefix", "cold ms", "state-restore ms", "speedup", f"same {a.gen} tok",
+                      "flashrt capsule / llama.cpp"], [[str(c) for c in r] for r in llama_rows])
+        tables.append(lt)
+    else:
+        why = LLAMA_MISSING if not llama_installed() else \
+            "llama.cpp: installed, but no --gguf ARCH:SIZE=PATH given for these models (see bench/README)"
+        table.notes.append(why)
+    C.print_tables(tables)
+    print(C.RANDOM_NOTE)
+    data = {"prefixes": a.prefix, "suffix": a.suffix, "gen": a.gen, "repeats": a.repeats,
+            "warmup": a.warmup, "llama_cpp_installed": llama_installed(), "results": results}
+    C.write_json("ttft", a, info, tables, data, argv)
+    if results:
+        png = Path(a.plot) if a.plot else C.result_path("ttft", a).with_suffix(".png")
+        plot(results, png, a)
+    ok = all(p["flashrt_same_tokens"] for r in results for p in r["points"])
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
