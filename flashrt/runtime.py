@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import threading
 import uuid
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -294,6 +295,44 @@ class Runtime:
             self._checkpoints.clear()
             # a partial restore leaves a mixed state: nothing may build on it
             self._anchors = [(c, c.generation) for c in cap.chain()] if kinds is None else []
+
+    @torch.no_grad()
+    def set_context(self, tokens, store=None, remember: bool = True) -> torch.Tensor:
+        """Make the session's whole context exactly `tokens`; returns the float32 last logits.
+
+        Reuses what is cheapest to reach: the session's own history (extend it, or roll back
+        to the common prefix) or the longest prefix stored in `store` (a CapsuleStore:
+        restore it, then prefill only the rest). remember: put a capsule of the new boundary
+        into `store`, a shared-prefix one over the deepest stored capsule it extends.
+        """
+        if isinstance(tokens, torch.Tensor):
+            tokens = tokens.reshape(-1).tolist()
+        toks, V = [int(t) for t in tokens], self.net.vocab_size
+        bad = next((j for j, t in enumerate(toks) if not 0 <= t < V), None)
+        if not toks or len(toks) > self.max_seq_len or bad is not None:
+            raise ValueError(f"set_context: need 1..{self.max_seq_len} token ids in [0, {V}); got "
+                             f"{len(toks)}" + (f", id {toks[bad]} at {bad}" if bad is not None else ""))
+        with self._lock:
+            n = min(self._pos, len(toks))
+            diff = (self.arena["meta.tokens"][:n].cpu() != torch.tensor(toks[:n])).nonzero()
+            common = int(diff[0]) if len(diff) else n
+            src = self._rollback_source(common) if common < self._pos else None
+            own = common if common == self._pos else (src.position if src is not None else 0)
+            cap, m = store.match(toks, self.fingerprint) if store is not None else (None, 0)
+            if cap is not None and m > own:           # fewer tokens to prefill from the store
+                self.restore(cap)
+            elif common < self._pos:
+                self.rollback(common)
+            if self._pos < len(toks):
+                self._advance(torch.tensor(toks[self._pos:], device=self.model.device), False)
+            if remember and store is not None and m < len(toks):
+                stored = [c for c, g in self._anchors if c.generation == g and c.position <= self._pos
+                          and store.key_of(c.id) is not None]
+                try:
+                    store.put(self.snapshot(parent=max(stored, key=lambda c: c.position, default=None)))
+                except ValueError as e:               # the context is set; only the memo failed
+                    warnings.warn(f"set_context: boundary not remembered: {e}")
+            return self.arena["meta.logits"].clone()
 
     def fork(self, cap: Capsule | None = None, seed: int | None = None) -> "Runtime":
         """An independent session over the same weights, starting from `cap` or the live state.
