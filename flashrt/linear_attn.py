@@ -1,0 +1,145 @@
+"""Gated DeltaNet math shared by hybrid models: causal depthwise conv and the gated delta rule.
+
+Batch 1, no batch dim. All state is updated in place (fixed arena addresses, graph-safe):
+- conv state (C, K-1): the last K-1 conv inputs, oldest first;
+- recurrent state (Hv, Dk, Dv) float32, whatever the activation dtype.
+The pure-torch paths follow transformers' torch_chunk_gated_delta_rule /
+torch_recurrent_gated_delta_rule op for op (fp32 parity ~1e-6). Optional CUDA kernels
+(flash-linear-attention, causal-conv1d) are used when `fast_kernels()` finds them.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+
+@functools.lru_cache(maxsize=None)
+def fast_kernels():
+    """(fla_ops, conv_ops) or None each: (chunk, fused_recurrent) and (conv_fn, conv_update)."""
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+        fla = (chunk_gated_delta_rule, fused_recurrent_gated_delta_rule)
+    except Exception:       # not installed, or no triton/CUDA
+        fla = None
+    try:
+        from causal_conv1d import causal_conv1d_fn, causal_conv1d_update
+        conv = (causal_conv1d_fn, causal_conv1d_update)
+    except Exception:
+        conv = None
+    return fla, conv
+
+
+# ---- causal depthwise conv ---------------------------------------------------------------
+def causal_conv(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor, fast: bool = False):
+    """silu(depthwise causal conv) with `state` as left context; state advanced in place.
+
+    x: (T, C); state: (C, K-1); weight: (C, K). Returns (T, C). Chunked prefill == one shot.
+    """
+    T = x.shape[0]
+    if fast:
+        conv_fn, conv_update = fast_kernels()[1]
+        if T == 1:   # kernel shifts state in place: (1, C, K-1)
+            return conv_update(x.unsqueeze(-1), state.unsqueeze(0), weight, None, "silu").squeeze(-1)
+        xc = x.t().unsqueeze(0)                               # (1, C, T) channel-last view
+        init = state.t().contiguous().t().unsqueeze(0)        # channel-last (1, C, K-1)
+        out, final = conv_fn(xc, weight, None, initial_states=init, return_final_states=True,
+                             activation="silu")
+        state.copy_(final[0])
+        return out[0].t()
+    K = weight.shape[1]
+    xx = torch.cat([state.t().to(x.dtype), x]).to(weight.dtype)   # (K-1+T, C)
+    state.copy_(xx[T:].t())
+    # K shifted multiply-adds: memory-bound, far cheaper on CPU than a depthwise conv1d call
+    out = xx[:T] * weight[:, 0]
+    for j in range(1, K):
+        out.addcmul_(xx[j: j + T], weight[:, j])
+    return F.silu(out).to(x.dtype)                            # (T, C)
+
+
+# ---- gated delta rule --------------------------------------------------------------------
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def _prep(q, k, v, beta, g):
+    """GVA repeat, fp32, head-major, l2norm(q, k), q scaled. Shapes -> (H, T, D) / (H, T)."""
+    rep = v.shape[1] // k.shape[1]
+    if rep > 1:
+        q, k = q.repeat_interleave(rep, dim=1), k.repeat_interleave(rep, dim=1)
+    q, k, v, beta, g = (t.transpose(0, 1).to(torch.float32, memory_format=torch.contiguous_format)
+                        for t in (q, k, v, beta, g))
+    q, k = l2norm(q), l2norm(k)
+    return q * q.shape[-1] ** -0.5, k, v, beta, g
+
+
+def chunk_gated_delta_rule(q, k, v, g, beta, state, chunk: int = 64, fast: bool = False):
+    """Prefill. q, k: (T, Hk, Dk); v: (T, Hv, Dv); g (log decay), beta: (T, Hv);
+    state: (Hv, Dk, Dv) fp32, read as the initial state and overwritten with the final one.
+    Returns (T, Hv, Dv) in v's dtype."""
+    dtype, T = v.dtype, v.shape[0]
+    if fast:
+        op = fast_kernels()[0][0]
+        q, k = _gva(q, k, v)
+        o, final = op(q[None], k[None], v[None], g[None].float(), beta[None],
+                      initial_state=state[None], output_final_state=True,
+                      use_qk_l2norm_in_kernel=True)
+        state.copy_(final[0])
+        return o[0].to(dtype)
+    q, k, v, beta, g = _prep(q, k, v, beta, g)                # (H, T, D), (H, T)
+    H = v.shape[0]
+    pad = (chunk - T % chunk) % chunk
+    q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
+    beta, g = F.pad(beta, (0, pad)), F.pad(g, (0, pad))
+    n = (T + pad) // chunk
+    v_beta, k_beta = v * beta[..., None], k * beta[..., None]
+    q, k, k_beta, v_beta = (t.reshape(H, n, chunk, t.shape[-1]) for t in (q, k, k_beta, v_beta))
+    g = g.reshape(H, n, chunk).cumsum(-1)                     # cumulative log decay in a chunk
+    upper = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).triu(1)
+    decay = (g[..., :, None] - g[..., None, :]).masked_fill(upper, float("-inf")).exp()
+    ut = (k_beta @ k.transpose(-1, -2)) * decay               # (H, n, c, c) strictly-lower + diag
+    attn = (q @ k.transpose(-1, -2)) * decay
+    u = torch.linalg.solve_triangular(ut, v_beta, upper=False, unitriangular=True)
+    w = torch.linalg.solve_triangular(ut, k_beta * g.exp()[..., None], upper=False,
+                                      unitriangular=True)
+    q = q * g.exp()[..., None]
+    k = k * (g[..., -1:] - g).exp()[..., None]
+    chunk_decay = g[..., -1].exp()[..., None, None]           # (H, n, 1, 1)
+    S = state.clone()                                         # (H, Dk, Dv) fp32
+    out = torch.empty_like(u)
+    for i in range(n):
+        v_new = u[:, i] - w[:, i] @ S
+        out[:, i] = q[:, i] @ S + attn[:, i] @ v_new
+        S = S * chunk_decay[:, i] + k[:, i].transpose(-1, -2) @ v_new
+    state.copy_(S)
+    return out.reshape(H, -1, out.shape[-1])[:, :T].transpose(0, 1).to(dtype)
+
+
+def recurrent_gated_delta_rule(q, k, v, g, beta, state, fast: bool = False):
+    """Decode (any T, one token at a time). Same shapes as chunk_gated_delta_rule."""
+    dtype, T = v.dtype, v.shape[0]
+    if fast:
+        op = fast_kernels()[0][1]
+        q, k = _gva(q, k, v)
+        o, final = op(q[None], k[None], v[None], g=g[None].float(), beta=beta[None],
+                      initial_state=state[None], output_final_state=True,
+                      use_qk_l2norm_in_kernel=True)
+        state.copy_(final[0])
+        return o[0].to(dtype)
+    q, k, v, beta, g = _prep(q, k, v, beta, g)                # (H, T, D), (H, T)
+    out = torch.empty_like(v)
+    for t in range(T):                                        # in place on the arena state
+        kt, qt = k[:, t, None, :], q[:, t, None, :]           # (H, 1, Dk)
+        state.mul_(g[:, t].exp()[:, None, None])
+        delta = (v[:, t, None] - torch.bmm(kt, state)) * beta[:, t, None, None]   # (H, 1, Dv)
+        state.baddbmm_(kt.transpose(1, 2), delta)             # S += k delta^T
+        out[:, t] = torch.bmm(qt, state)[:, 0]
+    return out.transpose(0, 1).to(dtype)
+
+
+def _gva(q, k, v):
+    rep = v.shape[1] // k.shape[1]
+    if rep > 1:   # older fla releases need equal q/k/v head counts
+        q, k = q.repeat_interleave(rep, dim=1), k.repeat_interleave(rep, dim=1)
+    return q.contiguous(), k.contiguous()
