@@ -15,10 +15,19 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 
-def state_sizes(arch: str, size: str, dtype: str) -> dict:
+def layout_table(arch: str, size: str, dtype: str, max_seq_len: int) -> str:
+    """The arena table a runtime of this shape would print (rt.layout()), without weights."""
+    from flashrt.arena import format_table, plan_slots
+    specs, _ = _specs(arch, size, dtype, max_seq_len)
+    slots, total = plan_slots(specs)
+    fixed = sum(s.spec.nbytes for s in slots if s.spec.seq_dim is None and s.spec.kind not in ("io", "scratch"))
+    per_tok = sum(s.spec.row_bytes for s in slots if s.spec.kind not in ("io", "scratch"))
+    return format_table(slots, total, fixed, per_tok)
+
+
+def _specs(arch, size, dtype, max_seq_len):
     import torch
 
-    from flashrt.arena import CAPSULE_KINDS
     from flashrt.models import model_module
     from flashrt.models.checkpoint import build_config
     from flashrt.runtime import Options, runtime_specs
@@ -27,7 +36,13 @@ def state_sizes(arch: str, size: str, dtype: str) -> dict:
     with torch.device("meta"):
         net = mod.Model(mod.CONFIG.from_hf(hf))
     dt = {"bfloat16": torch.bfloat16, "float32": torch.float32}[dtype]
-    specs = net.state_specs(1, dt) + runtime_specs(Options(max_seq_len=1, prefill_chunk=1), net.vocab_size)
+    opts = Options(max_seq_len=max_seq_len)
+    return net.state_specs(max_seq_len, dt) + runtime_specs(opts, net.vocab_size), net
+
+
+def state_sizes(arch: str, size: str, dtype: str) -> dict:
+    from flashrt.arena import CAPSULE_KINDS
+    specs, _ = _specs(arch, size, dtype, 1)
     specs = [s for s in specs if s.kind in CAPSULE_KINDS]
     fixed = sum(s.nbytes for s in specs if s.seq_dim is None)
     per_tok = sum(s.row_bytes for s in specs if s.seq_dim == 0)
@@ -44,7 +59,12 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--size", default="real")
+    ap.add_argument("--layout", metavar="ARCH", help="print the full arena table of ARCH at this size")
+    ap.add_argument("--max-seq-len", type=int, default=4096)
     args = ap.parse_args(argv)
+    if args.layout:
+        print(layout_table(args.layout, args.size, args.dtype, args.max_seq_len))
+        return 0
     rows = []
     for arch in ("qwen3", "qwen3_5", "lfm2"):
         try:

@@ -77,6 +77,15 @@ def _order_key(spec: BufferSpec):
     return (group, KINDS.index(spec.kind))
 
 
+def plan_slots(specs) -> tuple[tuple[Slot, ...], int]:
+    """Offsets for every buffer (no allocation): the layout is data, printable before loading."""
+    slots, off = [], 0
+    for spec in sorted(specs, key=_order_key):   # stable: model order kept within each group
+        slots.append(Slot(spec, off))
+        off = _align(off + spec.nbytes)
+    return tuple(slots), off
+
+
 class Arena:
     """Owns one uint8 allocation; hands out typed views by name."""
 
@@ -86,13 +95,7 @@ class Arena:
         if dup:
             raise ArenaError(f"duplicate buffer names: {sorted(dup)}")
         self.device = torch.device(device)
-        ordered = sorted(specs, key=_order_key)  # sorted() is stable: model order kept per group
-        slots, off = [], 0
-        for spec in ordered:
-            slots.append(Slot(spec, off))
-            off = _align(off + spec.nbytes)
-        self.slots: tuple[Slot, ...] = tuple(slots)
-        self.nbytes = off
+        self.slots, self.nbytes = plan_slots(specs)
         check_free_memory(self.nbytes, self.device)
         # Zeroed once: recurrent/conv state must start at zero; nothing else relies on it.
         self.data = torch.zeros(self.nbytes, dtype=torch.uint8, device=self.device)

@@ -1,0 +1,67 @@
+"""CUDA checks: graph replay vs eager on the same device, capsules on the graph backend,
+device <-> host capsules. Skipped without CUDA; bench/gpu_check.sh runs them on a GPU."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import flashrt
+from conftest import ARCHS
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+
+
+def _ids(n, seed=0):
+    return torch.randint(0, 512, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _load(ckpt, arch, graphs, dtype="float32"):
+    return flashrt.load(ckpt(arch), device="cuda", dtype=dtype, max_seq_len=256,
+                        prefill_chunk=64, cuda_graphs=graphs)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_graph_replay_matches_eager(arch, ckpt):
+    eager, graph = _load(ckpt, arch, False), _load(ckpt, arch, True)
+    assert graph.graphs is not None and eager.graphs is None
+    ids = _ids(45, 1)
+    for chunk in (ids[:37], ids[37:]):        # 37 = 32 + 4 + 1: several graphs per prefill
+        le, lg = eager.prefill(chunk), graph.prefill(chunk)
+        assert (le - lg).abs().max() <= 1e-3
+    for _ in range(3):                          # replay several times, inputs changing
+        t = int(torch.argmax(le))
+        le, lg = eager.decode(t), graph.decode(t)
+        assert (le - lg).abs().max() <= 1e-3
+    assert graph.tokens == eager.tokens and int(graph.arena["meta.position"]) == graph.position
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_graph_never_left_continuation_bitwise(arch, ckpt):
+    ref, rt = _load(ckpt, arch, True), _load(ckpt, arch, True)
+    prompt, cont = _ids(29, 2), _ids(8, 3)
+    ref.prefill(prompt)
+    want = torch.stack([ref.decode(t) for t in cont])
+    rt.prefill(prompt)
+    cap = rt.snapshot()
+    rt.prefill(_ids(20, 4))
+    rt.restore(cap)
+    assert torch.equal(torch.stack([rt.decode(t) for t in cont]), want)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_device_host_capsules(arch, ckpt, tmp_path):
+    rt = _load(ckpt, arch, True)
+    rt.prefill(_ids(33, 5))
+    cap = rt.snapshot()
+    host = cap.to("cpu")
+    assert host.data.is_pinned()
+    back = host.to("cuda")
+    cont = _ids(6, 6)
+    want = torch.stack([rt.decode(t) for t in cont])
+    for c in (back, host):
+        rt.restore(c)
+        assert torch.equal(torch.stack([rt.decode(t) for t in cont]), want)
+    cap.save(tmp_path / "c.cap")                # made on CUDA, restored on CPU: provenance only
+    cpu_rt = flashrt.load(ckpt(arch), dtype="float32", max_seq_len=256)
+    cpu_rt.restore(flashrt.Capsule.load(tmp_path / "c.cap"))
+    assert cpu_rt.tokens == rt.tokens[:33]
