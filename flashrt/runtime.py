@@ -187,12 +187,20 @@ class Runtime:
     @torch.no_grad()
     def generate(self, ids=None, max_new_tokens: int = 32, temperature: float = 0.0, top_k: int = 0,
                  top_p: float = 1.0, seed: int | None = None, stop=(),
-                 ignore_eos: bool = False) -> list[int]:
+                 ignore_eos: bool = False, speculative: str | None = None, draft_tokens: int = 2,
+                 drafter=None) -> list[int]:
         """Sample up to max_new_tokens; every returned token is committed to the session.
 
         seed=None continues the session's RNG stream; an int reseeds it. Stops after EOS (from
         the checkpoint's generation config) or any `stop` id; finish_reason says why it ended.
+        speculative="mtp" drafts draft_tokens tokens per step with the checkpoint's MTP layer
+        and verifies them in one step ("draft": an injected drafter(rt, k) drafts); see
+        flashrt/speculative.py.
         """
+        if speculative is not None or drafter is not None:
+            from flashrt.speculative import generate as speculative_generate
+            return speculative_generate(self, ids, max_new_tokens, temperature, top_k, top_p, seed,
+                                        stop, ignore_eos, speculative, draft_tokens, drafter)
         validate(temperature, top_k, top_p)
         with self._lock:
             if ids is not None:

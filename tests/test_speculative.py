@@ -1,0 +1,476 @@
+"""Speculative decoding (flashrt/speculative.py): the acceptance rule, greedy identity with plain
+decoding for every accepted length, the state after rollback/re-prefill (main and MTP), capsules
+taken between speculative calls, the graph-safe bodies, and refusal without MTP weights."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flashrt import speculative as spec
+from flashrt.layers import StepCtx
+from flashrt.sampler import sample
+
+ARCH, PROMPT, N = "qwen3_5", 12, 24
+LAYOUTS = ["multimodal", "text"]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny models on a shared 2-core machine: two OpenMP threads only contend."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _ids(n, seed=0, vocab=512):
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _kw(layout):
+    return {"ckpt_kw": {"layout": "text"}} if layout == "text" else {}
+
+
+def _plain(rt, prompt, n):
+    """Plain greedy decode: (tokens, the logits each token was chosen from (n, V))."""
+    logits, toks, steps = rt.prefill(prompt), [], []
+    for _ in range(n):
+        steps.append(logits)
+        toks.append(int(logits.argmax()))
+        logits = rt.decode(toks[-1])
+    return toks, torch.stack(steps)
+
+
+def _first_divergence(got, ref_toks, ref_logits, margin=1e-3):
+    """Index where `got` first leaves the plain greedy run (None if never); asserts that the
+    plain run's top-2 gap there is <= margin (a near-tie, where the batched verify step may
+    legitimately pick the other token)."""
+    for i, t in enumerate(got):
+        if i >= len(ref_toks):
+            return None
+        if t != ref_toks[i]:
+            top2 = ref_logits[i].topk(2).values
+            gap = float(top2[0] - top2[1])
+            assert gap <= margin, f"token {i}: speculative {t} vs plain {ref_toks[i]}, top-2 gap {gap:.3g}"
+            return i
+    return None
+
+
+@pytest.fixture(scope="module")
+def plain_ref(runtime):
+    """Plain greedy runs per layout, computed once: (prompt, tokens, logits)."""
+    out = {}
+
+    def get(layout, prompt_seed=1, n=N + 8):
+        key = (layout, prompt_seed, n)
+        if key not in out:
+            prompt = _ids(PROMPT, seed=prompt_seed)
+            toks, logits = _plain(runtime(ARCH, **_kw(layout)), prompt, n)
+            out[key] = prompt, toks, logits
+        return out[key]
+    return get
+
+
+def _check_state(rt, fresh):
+    """The session's committed state equals a fresh prefill of its own history (within fp32
+    tolerance): last logits, main state (next-token logits after teacher-forced decodes), and
+    the MTP rows [0, P-1) and hidden a one-shot MTP pass over the history writes."""
+    toks = rt.tokens
+    P = len(toks)
+    ref_logits = fresh.prefill(toks)
+    assert (rt.arena["meta.logits"] - ref_logits).abs().max() <= 1e-4
+    net = fresh.net
+    if getattr(net, "has_mtp", False):
+        with torch.no_grad():
+            ids = torch.tensor(toks)
+            scratch = fresh.fork()
+            scratch.reset()
+            hid = net.hidden_states(ids, StepCtx(P, torch.arange(P), start=0), scratch.arena,
+                                    all_positions=True)
+            net.mtp_forward(ids[1:], hid[:-1], StepCtx(P - 1, torch.arange(P - 1), start=0), scratch.arena)
+        for name in ("mtp.attn.k", "mtp.attn.v"):
+            d = (rt.arena[name][: P - 1] - scratch.arena[name][: P - 1]).abs().max()
+            assert d <= 1e-4, f"{name} rows [0, {P - 1}) differ by {d:.3g}"
+        assert (rt.arena["mtp.hidden"] - hid[-1]).abs().max() <= 1e-4
+    for t in _ids(3, seed=99):                      # the state continues like a fresh one
+        assert (rt.decode(t) - fresh.decode(t)).abs().max() <= 1e-4
+
+
+# ---- the acceptance rule -------------------------------------------------------------------
+def _chi2(tokens, p):
+    n = tokens.shape[0]
+    counts = torch.bincount(tokens, minlength=p.shape[0]).double()
+    exp = n * p.double()
+    keep = exp > 0
+    assert counts[~keep].sum() == 0, "a token outside p's support was emitted"
+    return float(((counts[keep] - exp[keep]) ** 2 / exp[keep]).sum())
+
+
+# 7 degrees of freedom: P(chi2 > 40) ~ 1.4e-6 for a correct rule; the wrong rules below
+# score in the thousands at n = 40000.
+CHI2_LIMIT = 40.0
+
+
+def _synthetic(n=40000, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    p = torch.tensor([0.30, 0.20, 0.15, 0.10, 0.10, 0.08, 0.07, 0.00], dtype=torch.float64)
+    q = torch.tensor([0.05, 0.30, 0.05, 0.25, 0.05, 0.05, 0.05, 0.20], dtype=torch.float64)
+    d = spec.sample_from(q.expand(n, -1), torch.rand(n, generator=g, dtype=torch.float64))
+    u1 = torch.rand(n, generator=g, dtype=torch.float64)
+    u2 = torch.rand(n, generator=g, dtype=torch.float64)
+    return p, q, d, u1, u2
+
+
+def test_acceptance_rule_emits_p_and_wrong_rules_fail():
+    p, q, d, u1, u2 = _synthetic()
+    P, Q = p.expand(d.shape[0], -1), q.expand(d.shape[0], -1)
+    assert _chi2(d, q) < CHI2_LIMIT                          # the drafts really follow q
+    ok, tok = spec.accept_draft(P, Q, d, u1, u2)
+    assert _chi2(tok, p) < CHI2_LIMIT
+    expect_rate = float(torch.minimum(p, q).sum())           # P(accept) = sum min(p, q)
+    assert abs(ok.double().mean().item() - expect_rate) < 0.01
+    # wrong rule 1: always accept the draft (emits q)
+    assert _chi2_or_inf(d, p) > 10 * CHI2_LIMIT
+    # wrong rule 2: on rejection resample from p instead of the residual
+    wrong = torch.where(ok, d, spec.sample_from(P, u2))
+    assert _chi2_or_inf(wrong, p) > 10 * CHI2_LIMIT
+    # wrong rule 3: accept with probability p(d) (no division by q)
+    acc3 = u1 < P.gather(-1, d[:, None])[:, 0]
+    wrong3 = torch.where(acc3, d, spec.sample_from(spec.residual(P, Q), u2))
+    assert _chi2_or_inf(wrong3, p) > 10 * CHI2_LIMIT
+
+
+def _chi2_or_inf(tokens, p):
+    try:
+        return _chi2(tokens, p)
+    except AssertionError:        # emitted a token p never emits: as wrong as it gets
+        return float("inf")
+
+
+def test_two_position_chain_matches_joint():
+    """k=2 drafts with a context-dependent target p(t2 | t1): the first two emitted tokens follow
+    p(t1) p(t2 | t1) when a rejection at position 1 is followed by a plain sample (next round)."""
+    n, V = 40000, 6
+    g = torch.Generator().manual_seed(1)
+    p1 = torch.softmax(torch.randn(V, generator=g, dtype=torch.float64) * 1.5, -1)
+    p2 = torch.softmax(torch.randn(V, V, generator=g, dtype=torch.float64) * 1.5, -1)   # p2[t1]
+    q1 = torch.softmax(torch.randn(V, generator=g, dtype=torch.float64), -1)
+    q2 = torch.softmax(torch.randn(V, V, generator=g, dtype=torch.float64), -1)
+    u = torch.rand(6, n, generator=g, dtype=torch.float64)
+    d1 = spec.sample_from(q1.expand(n, -1), u[0])
+    d2 = spec.sample_from(q2[d1], u[1])
+    ok1, t1 = spec.accept_draft(p1.expand(n, -1), q1.expand(n, -1), d1, u[2], u[3])
+    ok2, t2_spec = spec.accept_draft(p2[d1], q2[d1], d2, u[4], u[5])
+    t2_next_round = spec.sample_from(p2[t1], u[5])      # rejected at 1: t2 comes from a new round
+    t2 = torch.where(ok1, t2_spec, t2_next_round)
+    joint = (p1[:, None] * p2).reshape(-1)
+    assert _chi2(t1 * V + t2, joint) < 80.0             # 35 dof: P(chi2 > 80) ~ 1e-5
+
+
+def test_target_probs_is_the_samplers_distribution():
+    logits = torch.tensor([2.0, 1.5, 1.5, 0.3, -1.0, 0.9, 1.1, -0.2])
+    for temp, k, top_p in [(0.7, 0, 1.0), (1.0, 5, 1.0), (0.9, 0, 0.8), (1.3, 4, 0.7)]:
+        p = spec.target_probs(logits, temp, k, top_p)
+        assert abs(float(p.sum()) - 1) < 1e-12
+        rng = torch.tensor([123, 0])
+        toks = torch.tensor([int(sample(logits, rng, temp, k, top_p)) for _ in range(1000)])
+        assert _chi2(toks, p) < 40.0
+    greedy = spec.target_probs(logits, 0.0)
+    assert torch.equal(greedy, torch.nn.functional.one_hot(torch.tensor(0), 8).double())
+
+
+def test_mtp_step_matches_mtp_forward(runtime):
+    rt = runtime(ARCH)
+    net, a = rt.net, rt.arena
+    toks, hid = torch.tensor(_ids(5, seed=2)), torch.randn(5, net.config.hidden_size)
+    with torch.no_grad():
+        ref = net.mtp_forward(toks, hid, StepCtx(5, torch.arange(3, 8), start=3), a)
+        got, h = spec.mtp_step(net, toks, hid, StepCtx(5, torch.arange(3, 8), start=3), a)
+    assert torch.equal(ref, got) and h.shape == hid.shape
+
+
+# ---- greedy identity ------------------------------------------------------------------------
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("k", [1, 2, 3, 4])
+def test_mtp_greedy_equals_plain(layout, k, runtime, plain_ref):
+    prompt, ref_toks, ref_logits = plain_ref(layout)
+    rt = runtime(ARCH, **_kw(layout))
+    out = rt.generate(prompt, max_new_tokens=N, ignore_eos=True, speculative="mtp", draft_tokens=k)
+    assert len(out) == N and rt.finish_reason == "length"
+    assert rt.tokens == prompt + out
+    _first_divergence(out, ref_toks, ref_logits)
+    st = rt._spec_stats
+    assert st["drafted"] > 0 and st["rounds"] <= N
+    # a second call continues the same session (MTP backlog flushed in between)
+    more = rt.generate(max_new_tokens=6, ignore_eos=True, speculative="mtp", draft_tokens=k)
+    assert rt.tokens == prompt + out + more
+    if _first_divergence(out + more, ref_toks, ref_logits) is None:
+        assert out + more == ref_toks[: N + 6]
+    _check_state(rt, runtime(ARCH, **_kw(layout)))
+
+
+def _oracle(prompt, ref, err_at=None, calls=None):
+    """Drafts the plain greedy continuation after the pending token; err_at: that draft index
+    (0-based) is replaced by a wrong token, so every round accepts exactly err_at drafts."""
+    def drafter(rt, k):
+        i = len(rt.tokens) - len(prompt)                 # index of the pending token in ref
+        if rt.tokens[len(prompt):] == ref[:i]:           # still on the plain history
+            assert spec.pending_token(rt) == ref[i]
+        d = [ref[i + 1 + j] if i + 1 + j < len(ref) else 0 for j in range(k)]
+        if err_at is not None and err_at < k:
+            d[err_at] = (d[err_at] + 1) % 512
+        if calls is not None:
+            calls.append(k)
+        return d
+    return drafter
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_every_accepted_length(layout, runtime, plain_ref):
+    """k=4, drafts wrong first at position j = 0..3, or never (oracle): every round accepts
+    exactly min(j, k) drafts, output stays plain greedy, and the committed state is right."""
+    prompt, ref_toks, ref_logits = plain_ref(layout)
+    k = 4
+    for err_at in [0, 1, 2, 3, None]:
+        rt, calls = runtime(ARCH, **_kw(layout)), []
+        out = rt.generate(prompt, max_new_tokens=N, ignore_eos=True, speculative="mtp",
+                          draft_tokens=k, drafter=_oracle(prompt, ref_toks, err_at, calls))
+        assert rt.tokens == prompt + out and len(out) == N
+        if _first_divergence(out, ref_toks, ref_logits) is not None:
+            continue                        # a near-tie: the oracle is off-history from here
+        assert out == ref_toks[:N]
+        st = rt._spec_stats
+        want = sum(c if err_at is None else min(err_at, c) for c in calls)
+        assert st["accepted"] == want, (err_at, st, calls)
+        if err_at is None:
+            assert st["reprefills"] == 0 and st["rounds"] <= -(-N // (k + 1)) + 1
+        _check_state(rt, runtime(ARCH, **_kw(layout)))
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_mtp_rows_after_accepted_mtp_drafts(layout, runtime, plain_ref):
+    """Random MTP weights almost never agree with the main model, so the MTP drafter's own
+    tokens are replaced by the plain greedy ones (first wrong at j): the MTP still runs every
+    draft step (chained hidden states, KV rows past the committed position, the batched backlog
+    write of accepted rows), and accepted lengths 0..k all occur. The MTP rows [0, P-1) must end
+    up what a one-shot MTP pass over the history writes."""
+    prompt, ref_toks, ref_logits = plain_ref(layout)
+    k, orig = 3, spec._Generation._draft_mtp
+
+    for err_at in [0, 1, 2, None]:
+        def draft(self, x0, kk):
+            i = len(self.rt.tokens) - len(prompt)
+            want = [ref_toks[i + 1 + j] for j in range(kk)]
+            if err_at is not None and err_at < kk:
+                want[err_at] = (want[err_at] + 1) % 512
+            self._pick = lambda logits: (want.pop(0), None)
+            return orig(self, x0, kk)
+        spec._Generation._draft_mtp = draft
+        try:
+            rt = runtime(ARCH, **_kw(layout))
+            out = rt.generate(prompt, max_new_tokens=N, ignore_eos=True, speculative="mtp",
+                              draft_tokens=k)
+        finally:
+            spec._Generation._draft_mtp = orig
+        assert rt.tokens == prompt + out
+        if _first_divergence(out, ref_toks, ref_logits) is None:
+            assert out == ref_toks[:N]
+            assert rt._spec_stats["accepted"] > 0 or err_at == 0
+        _check_state(rt, runtime(ARCH, **_kw(layout)))
+
+
+def test_mtp_drafts_are_the_chained_mtp_steps(runtime):
+    """One round's MTP draft logits equal a by-hand chain on a fork: (main hidden at P-1, x0) at
+    MTP row P-1, then (the MTP's own output hidden, previous draft) at rows P, P+1."""
+    rt = runtime(ARCH)
+    rt.generate(_ids(PROMPT, seed=6), max_new_tokens=1, speculative="mtp")
+    fork, P = rt.fork(), rt.position
+    seen, orig = [], spec._Generation._pick
+
+    def pick(self, logits):
+        seen.append(logits.clone())
+        return orig(self, logits)
+    spec._Generation._pick = pick
+    try:
+        rt.generate(max_new_tokens=5, ignore_eos=True, speculative="mtp", draft_tokens=3)
+    finally:
+        spec._Generation._pick = orig
+    net, a = fork.net, fork.arena
+    tok, h = int(a["meta.logits"].argmax()), a["mtp.hidden"][None].clone()
+    with torch.no_grad():
+        for j in range(3):
+            row = P - 1 + j
+            ctx = StepCtx(1, torch.tensor([row]), start=row)
+            logits, h = spec.mtp_step(net, torch.tensor([tok]), h, ctx, a)
+            assert (logits[-1] - seen[j]).abs().max() <= 1e-5
+            tok = int(logits[-1].argmax())
+
+
+def test_rng_stream_advances_by_the_draws_made(runtime, monkeypatch):
+    """Sampled rounds that reject: the arena RNG counter counts every draw (draft sampling,
+    acceptance tests, residual/bonus samples) - the fixed-state restore must not rewind it."""
+    draws = [0]
+    real_u, real_sample = spec.uniform, spec.sample
+
+    def u(rng):
+        draws[0] += 1
+        return real_u(rng)
+
+    def smp(*a, **kw):
+        draws[0] += 1
+        return real_sample(*a, **kw)
+    monkeypatch.setattr(spec, "uniform", u)
+    monkeypatch.setattr(spec, "sample", smp)
+    rt = runtime(ARCH)
+    rt.generate(_ids(PROMPT, seed=9), max_new_tokens=12, temperature=1.0, seed=4, ignore_eos=True,
+                speculative="mtp", draft_tokens=3)
+    assert rt._spec_stats["reprefills"] > 0
+    assert int(rt.arena["sampler.rng"][1]) == draws[0]
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "lfm2"])
+def test_injected_drafter_on_models_without_mtp(arch, runtime):
+    """speculative='draft' works for attention-only (qwen3) and short-conv (lfm2) models."""
+    ref_rt = runtime(arch)
+    prompt = _ids(PROMPT, seed=5)
+    ref_toks, ref_logits = _plain(ref_rt, prompt, N)
+    for err_at in (1, None):
+        rt = runtime(arch)
+        out = rt.generate(prompt, max_new_tokens=N, ignore_eos=True, speculative="draft",
+                          draft_tokens=3, drafter=_oracle(prompt, ref_toks, err_at))
+        assert rt.tokens == prompt + out
+        if _first_divergence(out, ref_toks, ref_logits) is None:
+            assert out == ref_toks
+        _check_state(rt, runtime(arch))
+
+
+# ---- stops, budgets, limits -----------------------------------------------------------------
+def test_stop_inside_accepted_drafts_and_exact_budgets(runtime, plain_ref):
+    prompt, ref_toks, ref_logits = plain_ref("multimodal")
+    assert _first_divergence(ref_toks, ref_toks, ref_logits) is None
+    j = 6
+    stop_tok = ref_toks[j]
+    first = ref_toks.index(stop_tok)
+    rt = runtime(ARCH)
+    out = rt.generate(prompt, max_new_tokens=N, stop=(stop_tok,), speculative="mtp", draft_tokens=4,
+                      drafter=_oracle(prompt, ref_toks))
+    assert out == ref_toks[: first + 1] and rt.finish_reason == "stop"
+    assert rt.tokens == prompt + out
+    _check_state(rt, runtime(ARCH))
+    for n in (1, 2, 5, 7):               # budgets that cut rounds short
+        rt = runtime(ARCH)
+        out = rt.generate(prompt, max_new_tokens=n, ignore_eos=True, speculative="mtp", draft_tokens=4,
+                          drafter=_oracle(prompt, ref_toks))
+        assert out == ref_toks[:n] and rt.tokens == prompt + out and rt.finish_reason == "length"
+    assert runtime(ARCH).generate(prompt, max_new_tokens=0, speculative="mtp") == []
+
+
+def test_max_seq_len_and_checkpoint_boundaries(runtime, plain_ref):
+    """Verify never crosses a rollback checkpoint boundary (checkpoint_every=8 here), rollback
+    after speculative decoding is exact, and max_seq_len ends generation like plain decoding."""
+    prompt, ref_toks, ref_logits = plain_ref("multimodal")
+    rt = runtime(ARCH, checkpoint_every=8, max_seq_len=PROMPT + 20)
+    out = rt.generate(prompt, max_new_tokens=100, ignore_eos=True, speculative="mtp", draft_tokens=3,
+                      drafter=_oracle(prompt, ref_toks))
+    assert len(out) == 20 and rt.finish_reason == "max_seq_len" and rt.tokens == prompt + out
+    assert [c.position for c in rt._checkpoints] == [8, 16, 24, 32]
+    back = rt.tokens[:PROMPT + 5]
+    rt.rollback(PROMPT + 5)
+    fresh = runtime(ARCH, max_seq_len=PROMPT + 20)
+    assert (rt.arena["meta.logits"] - fresh.prefill(back)).abs().max() <= 1e-4
+    plain = runtime(ARCH, max_seq_len=PROMPT + 20)
+    assert len(plain.generate(prompt, max_new_tokens=100, ignore_eos=True)) == 20
+
+
+# ---- sampling and capsules --------------------------------------------------------------------
+def test_sampled_top_k_1_is_greedy(runtime, plain_ref):
+    prompt, ref_toks, ref_logits = plain_ref("text")
+    rt = runtime(ARCH, ckpt_kw={"layout": "text"})
+    out = rt.generate(prompt, max_new_tokens=16, temperature=0.9, top_k=1, ignore_eos=True,
+                      speculative="mtp", draft_tokens=2, seed=3)
+    _first_divergence(out, ref_toks, ref_logits)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_capsule_between_speculative_calls_continues_identically(temperature, runtime, tmp_path):
+    rt = runtime(ARCH)
+    prompt = _ids(PROMPT, seed=7)
+    kw = dict(temperature=temperature, ignore_eos=True, speculative="mtp", draft_tokens=3)
+    rt.generate(prompt, max_new_tokens=9, seed=11, **kw)
+    cap = rt.snapshot()
+    cap.save(tmp_path / "mid.cap")
+    a = rt.generate(max_new_tokens=15, **kw)
+    fork = rt.fork(cap)
+    b = fork.generate(max_new_tokens=15, **kw)
+    other = runtime(ARCH)
+    other.restore(type(cap).load(tmp_path / "mid.cap"))
+    c = other.generate(max_new_tokens=15, **kw)
+    assert a == b == c and len(a) == 15
+    assert torch.equal(rt.arena["sampler.rng"], fork.arena["sampler.rng"])
+
+
+def test_sampled_injected_drafter_with_probabilities(runtime):
+    """A drafter returning (ids, q) drives the sampled rule; output is committed and reproducible."""
+    V = 512
+
+    def drafter(rt, k):
+        q = torch.full((k, V), 1.0 / V)
+        return [int(rt.tokens[-1] + j) % V for j in range(k)], q
+    outs = []
+    for _ in range(2):
+        rt = runtime(ARCH)
+        out = rt.generate(_ids(PROMPT, seed=8), max_new_tokens=12, temperature=1.0, seed=5,
+                          ignore_eos=True, speculative="mtp", draft_tokens=2, drafter=drafter)
+        assert rt.tokens[PROMPT:] == out and len(out) == 12
+        outs.append(out)
+    assert outs[0] == outs[1]
+
+
+# ---- graph-safe bodies, refusals ----------------------------------------------------------------
+def test_static_bodies_match_eager(runtime, plain_ref):
+    """The bodies SpecSteps captures on CUDA (device positions, full-capacity masked attention),
+    run eagerly over NaN-filled stale rows, give plain greedy output and the right state."""
+    prompt, ref_toks, ref_logits = plain_ref("multimodal")
+    rt = runtime(ARCH)
+    for s in rt.arena.slots:
+        if s.spec.seq_dim == 0 and rt.arena[s.name].is_floating_point():
+            rt.arena[s.name].fill_(float("nan"))
+    steps = spec.use_static_steps(rt, max_T=4)
+    out = rt.generate(prompt, max_new_tokens=16, ignore_eos=True, speculative="mtp", draft_tokens=3)
+    assert spec._cache(rt)["steps"] is steps
+    _first_divergence(out, ref_toks, ref_logits)
+    _check_state(rt, runtime(ARCH))
+
+
+def test_graph_warm_up_leaves_the_state_as_it_was(runtime):
+    """Capturing mid-session runs every body once for real (warm-up); near max_seq_len the
+    scratch rows overlap committed rows. Whatever ran, the state is put back byte for byte."""
+    rt = runtime(ARCH, max_seq_len=PROMPT + 6)
+    rt.generate(_ids(PROMPT, seed=10), max_new_tokens=4, ignore_eos=True, speculative="mtp")
+    before = rt.snapshot()
+    steps = spec.SpecSteps(rt, max_T=5, capture=False)
+    assert len(steps.bodies()) == 10
+    with torch.no_grad():
+        steps.preserving_state(lambda: [steps.run_body(k, T) for k, T in steps.bodies()])
+    after = rt.snapshot()
+    assert after.position == before.position and torch.equal(after.data, before.data)
+
+
+def test_without_mtp_weights_refused_before_any_change(ckpt, runtime):
+    import flashrt
+    with pytest.warns(UserWarning):
+        rt = flashrt.load(ckpt(ARCH, mtp=False), dtype="float32", max_seq_len=64)
+    with pytest.raises(ValueError, match="no MTP weights"):
+        rt.generate(_ids(5), speculative="mtp")
+    assert rt.position == 0
+    for arch in ("qwen3", "lfm2"):
+        with pytest.raises(ValueError, match="no MTP"):
+            runtime(arch).generate(_ids(5), speculative="mtp")
+    r = runtime(ARCH)
+    for bad, err in [(dict(speculative="eagle"), ValueError), (dict(speculative="draft"), ValueError),
+                     (dict(speculative="mtp", draft_tokens=0), ValueError),
+                     (dict(drafter=lambda rt, k: []), ValueError),
+                     (dict(speculative="mtp", drafter=3), TypeError)]:
+        with pytest.raises(err):
+            r.generate(_ids(5), **bad)
+    assert r.position == 0
