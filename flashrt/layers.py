@@ -122,6 +122,36 @@ def _attend_static(q, K, V, positions, scale):
     return out.permute(2, 0, 1, 3).reshape(T, Hq, D).to(q.dtype)
 
 
+class QKNormAttention(nn.Module):
+    """GQA attention with per-head RMSNorm on q and k (Qwen3, LFM2); KV in the arena.
+
+    Parameter names differ between families, so they are passed in (checkpoint names map 1:1).
+    """
+
+    def __init__(self, hidden, heads, kv_heads, head_dim, eps, idx,
+                 out_name="o_proj", norm_names=("q_norm", "k_norm")):
+        super().__init__()
+        self.h, self.kv, self.d = heads, kv_heads, head_dim
+        self.q_proj = nn.Linear(hidden, heads * head_dim, bias=False)
+        self.k_proj = nn.Linear(hidden, kv_heads * head_dim, bias=False)
+        self.v_proj = nn.Linear(hidden, kv_heads * head_dim, bias=False)
+        setattr(self, out_name, nn.Linear(heads * head_dim, hidden, bias=False))
+        for n in norm_names:
+            setattr(self, n, RMSNorm(head_dim, eps))
+        self.names = (out_name,) + tuple(norm_names)
+        self.k_name, self.v_name = f"layers.{idx}.attn.k", f"layers.{idx}.attn.v"
+
+    def forward(self, x, ctx: StepCtx, state, cos, sin):
+        T = x.shape[0]                                           # x: (T, hidden)
+        out, qn, kn = (getattr(self, n) for n in self.names)
+        q = qn(self.q_proj(x).view(T, self.h, self.d))
+        k = kn(self.k_proj(x).view(T, self.kv, self.d))
+        v = self.v_proj(x).view(T, self.kv, self.d)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        o = attend_cached(q, k, v, state[self.k_name], state[self.v_name], ctx, self.d ** -0.5)
+        return out(o.reshape(T, self.h * self.d))
+
+
 class SwiGLU(nn.Module):
     def __init__(self, dim: int, hidden: int, names=("gate_proj", "up_proj", "down_proj")):
         super().__init__()

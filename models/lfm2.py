@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from flashrt.arena import BufferSpec
-from flashrt.layers import RMSNorm, Rotary, StepCtx, SwiGLU, apply_rotary, attend_cached
+from flashrt.layers import QKNormAttention, RMSNorm, Rotary, StepCtx, SwiGLU
 from flashrt.modeling import CausalLM, check, require
 
 ATTN, CONV = "full_attention", "conv"
@@ -105,26 +105,10 @@ class Lfm2Config:
 
 
 # ---- layers -------------------------------------------------------------------------------
-class Attention(nn.Module):
-    def __init__(self, c: Lfm2Config, idx: int):
-        super().__init__()
-        self.h, self.kv, self.d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        self.q_proj = nn.Linear(c.hidden_size, self.h * self.d, bias=False)
-        self.k_proj = nn.Linear(c.hidden_size, self.kv * self.d, bias=False)
-        self.v_proj = nn.Linear(c.hidden_size, self.kv * self.d, bias=False)
-        self.out_proj = nn.Linear(self.h * self.d, c.hidden_size, bias=False)
-        self.q_layernorm = RMSNorm(self.d, c.norm_eps)
-        self.k_layernorm = RMSNorm(self.d, c.norm_eps)
-        self.k_name, self.v_name = f"layers.{idx}.attn.k", f"layers.{idx}.attn.v"
-
-    def forward(self, x, ctx: StepCtx, state, cos, sin):
-        T = x.shape[0]                                           # x: (T, hidden)
-        q = self.q_layernorm(self.q_proj(x).view(T, self.h, self.d))
-        k = self.k_layernorm(self.k_proj(x).view(T, self.kv, self.d))
-        v = self.v_proj(x).view(T, self.kv, self.d)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        o = attend_cached(q, k, v, state[self.k_name], state[self.v_name], ctx, self.d ** -0.5)
-        return self.out_proj(o.reshape(T, self.h * self.d))
+def Attention(c: Lfm2Config, idx: int) -> QKNormAttention:
+    return QKNormAttention(c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
+                           c.norm_eps, idx, out_name="out_proj",
+                           norm_names=("q_layernorm", "k_layernorm"))
 
 
 class ShortConv(nn.Module):
