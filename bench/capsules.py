@@ -20,6 +20,7 @@ filled with random bytes and the session position is set directly. This is said 
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import sys
@@ -41,13 +42,15 @@ def parse(argv):
                    help="comma list of qwen3, qwen3_5, lfm2 or all (default qwen3,qwen3_5)")
     p.add_argument("--size", default=None, help="tiny, small or real (default real; small in --quick)")
     p.add_argument("--mib", type=float, nargs="+", default=None,
-                   help="target capsule sizes in MiB (default 1 4 16 64 256; 1 4 in --quick)")
+                   help="target capsule sizes in MiB (default 1 4 16 64 256, on CUDA 1 16 256 1024; "
+                   "1 4 in --quick)")
     p.add_argument("--tmpdir", default=None, help="directory for the disk tier (default: system temp)")
     p.add_argument("--no-disk", action="store_true", help="skip the disk tier")
     a = p.parse_args(argv)
     C.setup(a)
     a.size = a.size or ("small" if a.quick else "real")
-    a.mib = a.mib or ([1, 4] if a.quick else [1, 4, 16, 64, 256])
+    big = [1, 16, 256, 1024] if a.device.startswith("cuda") else [1, 4, 16, 64, 256]
+    a.mib = a.mib or ([1, 4] if a.quick else big)
     a.repeats = a.repeats or (2 if a.quick else 5)
     a.warmup = 1 if a.warmup is None else a.warmup
     arch = a.arch or "qwen3,qwen3_5"
@@ -109,13 +112,14 @@ def bench_arch(arch, a, tmp, tables, quick_note):
     from flashrt.capsules.capsule import Capsule
     path = C.checkpoint(arch, a.size)
     lab = C.label(arch, a.size)
-    # a throwaway runtime at length 1 just to read the layout sizes
-    probe = C.load_flashrt(path, a, max_seq_len=1)
+    # a session of length 1 reads the layout sizes; the measured one shares its weights. No
+    # CUDA graphs: this bench never steps the model, and only copies are timed.
+    probe = C.load_flashrt(path, a, max_seq_len=1, cuda_graphs=False)
     fixed, per_tok = probe.arena.fixed_state_bytes, probe.arena.per_token_bytes
+    pos_list = positions_for(fixed, per_tok, a.mib)
+    rt = type(probe)(probe.model, dataclasses.replace(probe.options, max_seq_len=max(pos_list)))
     del probe
     C.free_memory()
-    pos_list = positions_for(fixed, per_tok, a.mib)
-    rt = C.load_flashrt(path, a, max_seq_len=max(pos_list))
     dev = torch.device(a.device)
     cuda = dev.type == "cuda"
     pre = rt.empty_capsule(max(pos_list))                 # preallocated capsule, reused

@@ -86,7 +86,8 @@ def have_native() -> bool:
 # ---- arguments -------------------------------------------------------------------------------
 def base_parser(prog: str, description: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description=description + f" ({RANDOM_NOTE}.)")
-    p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
+    p.add_argument("--device", default="auto",
+                   help="cpu, cuda or auto (default: cuda when torch sees a GPU, else cpu)")
     p.add_argument("--dtype", choices=DTYPES, default=None,
                    help="weights/activations dtype (default float32 on CPU, bfloat16 on CUDA)")
     p.add_argument("--quick", action="store_true", help="CI-sized smoke run (tiny sizes, 1 repeat)")
@@ -103,6 +104,8 @@ def setup(args) -> None:
     import torch
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise SystemExit("--device cuda: torch sees no CUDA device")
     if args.dtype is None:

@@ -66,7 +66,7 @@ soft 60 "capsules on cuda (device, host, disk tiers)" \
     --mib 1 16 256 1024 --repeats 3 --no-progress
 
 for m in qwen3_5 qwen3 lfm2; do
-  soft 70 "ttft $m real (2k-16k)" \
+  soft 90 "ttft $m real (2k-16k)" \
     python bench/ttft.py --device cuda --dtype bfloat16 --models "$m:real" \
       --prefix 2048 4096 8192 16384 --repeats 2 --warmup 1 --no-progress \
       --out "bench/results/ttft-cuda-$m.json" --plot "bench/results/ttft-cuda-$m.png"

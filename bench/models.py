@@ -53,13 +53,20 @@ def bench_arch(arch, a, tables):
                 f"{res['hf_attn']})",
                 ["step", "flashrt ms", "transformers ms", "flashrt/transformers", "max |dlogit|"])
 
-    for L in a.prefill:
+    for i, L in enumerate(a.prefill):
         ids = C.random_ids(L, vocab, seed=L)
-        cases = {"flashrt": C.Case(lambda: rt.prefill(ids), setup=rt.reset),
-                 "transformers": C.Case(lambda: C.hf_forward(hf, ids, a.device)[0])}
-        st = C.measure(cases, a.repeats, a.warmup, a.device, desc=f"{arch} prefill {L}")
-        rt.reset()
-        diff = float((rt.prefill(ids) - C.hf_forward(hf, ids, a.device)[0]).abs().max())
+        last = {}
+        cases = {"flashrt": C.Case(lambda: rt.prefill(ids), setup=rt.reset,
+                                   post=lambda l: last.__setitem__("f", l)),
+                 "transformers": C.Case(lambda: C.hf_forward(hf, ids, a.device)[0],
+                                        post=lambda l: last.__setitem__("h", l))}
+        # warm-up before the first length and every length up to 512 (first calls at a new
+        # shape are slow); longer ones reuse warmed code paths, and a warm-up prefill of 2048
+        # tokens at the real shape costs most of a minute on 2 CPU cores (CUDA: always warm up)
+        warm = i == 0 or L <= 512 or a.device.startswith("cuda")
+        st = C.measure(cases, a.repeats, a.warmup if warm else 0, a.device,
+                       desc=f"{arch} prefill {L}")
+        diff = float((last["f"] - last["h"]).abs().max())
         r = C.ratio(st["flashrt"], st["transformers"])
         res["prefill"][L] = {"flashrt": st["flashrt"], "transformers": st["transformers"],
                              "ratio": r, "max_abs_logit_diff": diff}

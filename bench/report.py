@@ -42,6 +42,8 @@ def load_results(results: Path, include_quick: bool) -> dict:
             continue
         d["_file"] = f.name
         out[d["bench"]].append(d)
+    for name, lst in out.items():   # the default run (<name>.json) first, then the variants
+        lst.sort(key=lambda d: (d["_file"] != f"{name}.json", d["_file"]))
     return out
 
 
@@ -75,6 +77,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=None, help="markdown output (default <results>/README_tables.md)")
     p.add_argument("--readme", default=str(C.ROOT / "README.md"),
                    help="file whose bench markers are refreshed (default README.md)")
+    p.add_argument("--no-readme", action="store_true", help="only write the markdown file")
     p.add_argument("--include-quick", action="store_true", help="also use *.quick.json results")
     a = p.parse_args(argv)
     results = Path(a.results)
@@ -95,7 +98,7 @@ def main(argv=None) -> int:
     out.write_text("\n".join(doc).rstrip() + "\n")
     print(f"wrote {out} ({', '.join(bodies) or 'no tables'})")
     readme = Path(a.readme)
-    if readme.exists():
+    if not a.no_readme and readme.exists():
         text, changed = readme.read_text(), []
         for name, body in bodies.items():
             text, hit = replace_markers(text, name, body)

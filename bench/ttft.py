@@ -30,7 +30,8 @@ LLAMA_MISSING = ("llama.cpp: not installed (optional bench extra: pip install ll
 
 def parse(argv):
     p = C.base_parser("bench/ttft.py", "TTFT: cold prefill vs capsule / cache-copy prefix reuse")
-    p.add_argument("--full", action="store_true", help="add prefix 4096 and real shapes of all three")
+    p.add_argument("--full", action="store_true", help="add prefix 4096 and real shapes of all three "
+                   "(on CUDA the default is already real shapes at 2k-16k)")
     p.add_argument("--models", default=None,
                    help="comma list of arch:size (default qwen3_5:real,qwen3:small,lfm2:small)")
     p.add_argument("--prefix", type=int, nargs="+", default=None, help="shared prefix lengths")
@@ -42,16 +43,22 @@ def parse(argv):
     p.add_argument("--plot", default=None, help="PNG path (default bench/results/ttft.png)")
     a = p.parse_args(argv)
     C.setup(a)
+    cuda = a.device.startswith("cuda")
     if a.models is None:
         if a.quick:
             a.models = "qwen3_5:tiny,qwen3:tiny,lfm2:tiny"
-        elif a.full:
+        elif a.full or cuda:
             a.models = "qwen3_5:real,qwen3:small,lfm2:small,qwen3:real,lfm2:real"
         else:
             a.models = "qwen3_5:real,qwen3:small,lfm2:small"
     a.configs = [tuple(m.split(":")) if ":" in m else (m, "small") for m in a.models.split(",")]
     if a.prefix is None:
-        a.prefix = [64, 128] if a.quick else [512, 1024, 2048] + ([4096] if a.full else [])
+        if a.quick:
+            a.prefix = [64, 128]
+        elif cuda:
+            a.prefix = [2048, 4096, 8192, 16384]
+        else:
+            a.prefix = [512, 1024, 2048] + ([4096] if a.full else [])
     a.repeats = a.repeats or (1 if a.quick else 3)
     a.warmup = (0 if a.quick else 1) if a.warmup is None else a.warmup
     a.gguf = dict(g.split("=", 1) for g in a.gguf)
@@ -151,7 +158,12 @@ def bench_model(arch, size, a, table, llama_rows):
                                          post=lambda l: keep("llama_cold", (llama.greedy(l, a.gen), l)))
             cases["llama_reuse"] = C.Case(lambda: llama.reuse(suffix),
                                           post=lambda l: keep("llama_reuse", (llama.greedy(l, a.gen), l)))
-        st = C.measure(cases, a.repeats, a.warmup, a.device, desc=f"{arch}/{size} P={P}")
+        # warm-up before the first prefix and any prefix up to 512 tokens; longer ones reuse
+        # warmed code paths (a warm-up cold prefill of thousands of tokens costs most of a
+        # minute on 2 CPU cores); on CUDA always
+        warm = P == a.prefix[0] or P <= 512 or a.device.startswith("cuda")
+        st = C.measure(cases, a.repeats, a.warmup if warm else 0, a.device,
+                       desc=f"{arch}/{size} P={P}")
 
         def toks(name):
             return got[name][0][0] if name in got else None
