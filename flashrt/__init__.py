@@ -21,7 +21,7 @@ from .version import __version__  # noqa: E402
 
 
 def load(path, device="cpu", dtype=None, max_seq_len: int = 4096, cuda_graphs: bool = True,
-         sessions: int = 1, prefill_chunk: int = 512, checkpoint_every: int = 256,
+         sessions: int = 1, prefill_chunk: int = 2048, checkpoint_every: int = 1024,
          max_checkpoints: int = 16, seed: int = 0):
     """Load a Hugging Face-format checkpoint directory and open a session on it.
 

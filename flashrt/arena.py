@@ -63,7 +63,7 @@ class Slot:
 
 
 def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+    return dtype.itemsize
 
 
 def _align(n: int) -> int:

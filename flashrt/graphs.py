@@ -1,8 +1,10 @@
 """CUDA graphs: one graph per step size, captured once per session over its arena.
 
-Step sizes are powers of two up to prefill_chunk. Any prefill length is a sum of them, so
-no step is padded: padding would advance recurrent state by tokens that do not exist.
-Inputs go through io.ids; the position lives in meta.position; logits land in meta.logits.
+Captured sizes are powers of two up to `max_size` (default 1: decode, where launch overhead
+dominates; prefill chunks run eagerly, since the graph body attends over the whole capacity).
+A length is replayed as a sum of captured sizes, so no step is padded: padding would advance
+recurrent state by tokens that do not exist. Inputs go through io.ids; the position lives in
+meta.position; logits land in meta.logits.
 """
 from __future__ import annotations
 
@@ -10,10 +12,9 @@ import torch
 
 
 class StepGraphs:
-    def __init__(self, rt):
+    def __init__(self, rt, max_size: int = 1):
         self.rt = rt
-        chunk = rt.options.prefill_chunk
-        self.sizes = [1 << i for i in range(chunk.bit_length()) if (1 << i) <= chunk]
+        self.sizes = [1 << i for i in range(max_size.bit_length()) if (1 << i) <= max_size]
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
 
     def capture(self) -> None:

@@ -28,8 +28,8 @@ _FIXED_NO_RNG = frozenset(("recurrent", "conv", "mtp", "meta"))
 @dataclass
 class Options:
     max_seq_len: int = 4096
-    prefill_chunk: int = 512          # tokens per eager prefill step
-    checkpoint_every: int = 256       # rollback checkpoints at multiples of this position
+    prefill_chunk: int = 2048         # tokens per eager prefill step (fewer weight passes)
+    checkpoint_every: int = 1024      # rollback checkpoints at multiples of this position
     max_checkpoints: int = 16         # memory bound: oldest dropped first
     cuda_graphs: bool = True
     seed: int = 0
@@ -100,7 +100,7 @@ class Runtime:
     def _step(self, ids: torch.Tensor, all_logits: bool = False):
         """Advance by len(ids) tokens (already validated). Returns all-position logits if asked."""
         T, start = ids.shape[0], self._pos
-        if self.graphs is not None and not all_logits:
+        if self.graphs is not None and not all_logits and T == 1:   # graphs serve decode
             self.graphs.run(ids)
             self._pos += T
             return None
@@ -145,10 +145,13 @@ class Runtime:
         return torch.tensor(ids, dtype=torch.int64, device=self.model.device)
 
     def _chunks(self, n: int):
-        """Chunk lengths: at most prefill_chunk, split at checkpoint boundaries."""
+        """Chunk lengths: at most prefill_chunk, split at checkpoint boundaries when the model
+        has fixed state to checkpoint (attention-only models rewind by position alone)."""
         pos, every, out = self._pos, self.options.checkpoint_every, []
         while n:
-            step = min(n, self.options.prefill_chunk, every - pos % every)
+            step = min(n, self.options.prefill_chunk)
+            if self._has_fixed_state:
+                step = min(step, every - pos % every)
             out.append(step)
             pos, n = pos + step, n - step
         return out
