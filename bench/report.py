@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import common as C  # noqa: E402
 
-NAMES = ("models", "capsules", "ttft", "ablation")
+NAMES = ("state_sizes", "models", "capsules", "ttft", "ablation")
 
 
 def load_results(results: Path, include_quick: bool) -> dict:

@@ -6,8 +6,6 @@ per-token state (KV rows, MTP KV rows, token history). Writes bench/results/stat
 """
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -56,31 +54,33 @@ def state_sizes(arch: str, size: str, dtype: str) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    from bench import common as C
+    ap = C.base_parser("bench/state_sizes.py", "Capsule state per model at released shapes")
     ap.add_argument("--size", default="real")
     ap.add_argument("--layout", metavar="ARCH", help="print the full arena table of ARCH at this size")
     ap.add_argument("--max-seq-len", type=int, default=4096)
     args = ap.parse_args(argv)
+    args.device, args.dtype = "cpu", args.dtype or "bfloat16"
     if args.layout:
         print(layout_table(args.layout, args.size, args.dtype, args.max_seq_len))
         return 0
+    table = C.Table(f"Capsule state per model ({args.size} shapes, {args.dtype}), from the model code",
+                    ["model", "fixed state", "per token", "capsule at 2048 tokens", "by kind (bytes)"])
     rows = []
     for arch in ("qwen3", "qwen3_5", "lfm2"):
         try:
-            rows.append(state_sizes(arch, args.size, args.dtype))
+            r = state_sizes(arch, args.size, args.dtype)
         except Exception as e:  # a family whose model file is missing is reported, not hidden
-            rows.append({"arch": arch, "size": args.size, "error": f"{type(e).__name__}: {e}"})
-    for r in rows:
-        if "error" in r:
-            print(f"{r['arch']:8s} {r['error']}")
-        else:
-            print(f"{r['arch']:8s} {r['size']} {r['dtype']}: fixed {r['fixed_bytes'] / 2**20:8.2f} MiB, "
-                  f"{r['per_token_bytes']:7d} B/token, capsule at 2048 tokens "
-                  f"{r['capsule_bytes_at_2048'] / 2**20:8.2f} MiB  {r['by_kind']}")
-    out = ROOT / "bench" / "results" / "state_sizes.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(rows, indent=1))
+            table.add(arch, "-", "-", "-", f"{type(e).__name__}: {e}")
+            continue
+        rows.append(r)
+        table.add(C.label(arch, args.size), C.fmt_bytes(r["fixed_bytes"]), f"{r['per_token_bytes']} B",
+                  C.fmt_bytes(r["capsule_bytes_at_2048"]),
+                  ", ".join(f"{k} {v}" for k, v in r["by_kind"].items()))
+    table.notes.append("fixed: recurrent + conv + MTP hidden + RNG + last logits + position; per token: "
+                       "KV rows (+ MTP KV) + token id; computed by `python bench/state_sizes.py`")
+    C.print_tables([table])
+    C.write_json("state_sizes", args, C.machine_info("cpu", args.dtype), [table], {"rows": rows}, argv)
     return 0
 
 
