@@ -1,7 +1,8 @@
 """CUDA graphs: one graph per step size, captured once per session over its arena.
 
-Captured sizes are powers of two up to `max_size` (default 1: decode, where launch overhead
-dominates; prefill chunks run eagerly, since the graph body attends over the whole capacity).
+Captured sizes are powers of two up to `max_size` (decode and short prefill chunks such as a
+user turn, where launch overhead dominates; longer chunks run eagerly, since the graph body
+attends over the whole capacity).
 A length is replayed as a sum of captured sizes, so no step is padded: padding would advance
 recurrent state by tokens that do not exist. Inputs go through io.ids; the position lives in
 meta.position; logits land in meta.logits.
@@ -13,7 +14,7 @@ import torch
 
 class StepGraphs:
     def __init__(self, rt, max_size: int = 1):
-        self.rt = rt
+        self.rt, self.max_size = rt, max_size
         self.sizes = [1 << i for i in range(max_size.bit_length()) if (1 << i) <= max_size]
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
 

@@ -32,6 +32,7 @@ class Options:
     checkpoint_every: int = 1024      # rollback checkpoints at multiples of this position
     max_checkpoints: int = 16         # memory bound: oldest dropped first
     cuda_graphs: bool = True
+    graph_max_tokens: int = 64        # steps up to this many tokens replay graphs; longer run eagerly
     seed: int = 0
 
 
@@ -71,7 +72,7 @@ class Runtime:
         self.graphs = None
         if options.cuda_graphs and model.device.type == "cuda":
             from flashrt.graphs import StepGraphs
-            self.graphs = StepGraphs(self)
+            self.graphs = StepGraphs(self, min(options.graph_max_tokens, options.prefill_chunk))
             self.graphs.capture()
             self.reset()
 
@@ -100,7 +101,7 @@ class Runtime:
     def _step(self, ids: torch.Tensor, all_logits: bool = False):
         """Advance by len(ids) tokens (already validated). Returns all-position logits if asked."""
         T, start = ids.shape[0], self._pos
-        if self.graphs is not None and not all_logits and T == 1:   # graphs serve decode
+        if self.graphs is not None and not all_logits and T <= self.graphs.max_size:
             self.graphs.run(ids)
             self._pos += T
             return None
