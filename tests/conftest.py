@@ -70,3 +70,12 @@ def margin_check(ref_logits: torch.Tensor, tokens, margin=1e-3):
     bad = [(i, int(ref_tok[i]), int(t), float(gaps[i])) for i, t in enumerate(tokens)
            if gaps[i] > margin and int(ref_tok[i]) != int(t)]
     return bad, float(gaps.min())
+
+
+def state_bytes(rt) -> torch.Tensor:
+    """The committed state as bytes: fixed range + live rows of every per-token buffer."""
+    a = rt.arena
+    parts = [a.data[a.fixed_begin: a.fixed_end]]
+    parts += [a.bytes_of(s.name, rt.position) for s in a.slots
+              if s.spec.seq_dim == 0 and s.spec.kind != "io"]
+    return torch.cat(parts).clone()

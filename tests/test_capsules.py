@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import flashrt
-from conftest import ARCHS, HYBRID
+from conftest import ARCHS, HYBRID, state_bytes
 
 
 def _ids(n, seed=0, vocab=512):
@@ -17,15 +17,6 @@ def _ids(n, seed=0, vocab=512):
 
 def _decode_logits(rt, tokens):
     return torch.stack([rt.decode(t) for t in tokens])
-
-
-def _state_bytes(rt) -> torch.Tensor:
-    """The committed state as bytes: fixed range + live rows of every per-token buffer."""
-    a = rt.arena
-    parts = [a.data[a.fixed_begin: a.fixed_end]]
-    parts += [a.bytes_of(s.name, rt.position) for s in a.slots
-              if s.spec.seq_dim == 0 and s.spec.kind != "io"]
-    return torch.cat(parts).clone()
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -135,13 +126,13 @@ def test_rollback(arch, runtime):
     rt = runtime(arch, checkpoint_every=8, prefill_chunk=16)
     hist = _ids(37, 15)
     rt.prefill(hist[:24])
-    at24 = _state_bytes(rt)
+    at24 = state_bytes(rt)
     logits24 = rt.decode(hist[24])     # history continues past the checkpoint
     rt.prefill(hist[25:])
     rt.generate(max_new_tokens=4)
     rt.rollback(24)                    # 24 is a checkpoint boundary: bitwise
     assert rt.position == 24 and rt.tokens == hist[:24]
-    assert torch.equal(_state_bytes(rt), at24)
+    assert torch.equal(state_bytes(rt), at24)
     assert torch.equal(rt.decode(hist[24]), logits24)
     for p in (30, 19, 3):              # anywhere: within 1e-4 of a fresh prefill of p tokens
         rt.prefill(hist[rt.position: 37]) if rt.position < 37 else None
@@ -163,8 +154,11 @@ def test_rollback_after_restore_uses_capsule(runtime):
     rt.restore(cap)
     rt.prefill(h[20:])
     rt.rollback(20)                    # no checkpoint below 1000: the restored capsule serves
-    assert torch.equal(_state_bytes(rt)[: cap.nbytes], _state_bytes(rt)[: cap.nbytes])
-    fresh = runtime("qwen3_5" if "qwen3_5" in ARCHS else "qwen3")
+    arch = "qwen3_5" if "qwen3_5" in ARCHS else "qwen3"
+    restored = runtime(arch)
+    restored.restore(cap)
+    assert torch.equal(state_bytes(rt), state_bytes(restored))
+    fresh = runtime(arch)
     fresh.prefill(h[:20])
     assert torch.equal(rt.arena["meta.logits"], fresh.arena["meta.logits"])
 
@@ -263,7 +257,7 @@ def test_shared_prefix_capsule(arch, runtime, tmp_path):
     other = runtime(arch)
     other.prefill(_ids(50, 33))                     # dirty arena
     other.restore(child)
-    assert torch.equal(_state_bytes(other), _state_bytes(rt.fork(full)))
+    assert torch.equal(state_bytes(other), state_bytes(rt.fork(full)))
     assert torch.equal(_decode_logits(other, cont), want)
     # grandchild: a chain of deltas
     other.rollback(31)

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import flashrt
-from conftest import ARCHS, margin_check
+from conftest import ARCHS, margin_check, state_bytes
 from flashrt.capsules import Capsule, CapsuleStore
 from flashrt.errors import CapsuleConsumedError, CapsuleCorruptError, CapsuleError, CapsuleMismatchError
 
@@ -142,14 +142,6 @@ def _same(a: Capsule, b: Capsule) -> bool:
 
 def _ids(n, seed=0, vocab=512):
     return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-def _state_bytes(rt) -> torch.Tensor:
-    a = rt.arena
-    parts = [a.data[a.fixed_begin: a.fixed_end]]
-    parts += [a.bytes_of(s.name, rt.position) for s in a.slots
-              if s.spec.seq_dim == 0 and s.spec.kind != "io"]
-    return torch.cat(parts).clone()
 
 
 def _check_store(st: CapsuleStore, pinned_tier=None):
@@ -311,7 +303,7 @@ def test_real_delta_through_disk(runtime, tmp_path):
     parent = rt.snapshot()
     rt.prefill(_ids(9, 41))
     child = rt.snapshot(parent=parent)
-    want = _state_bytes(rt)
+    want = state_bytes(rt)
     assert parent.data.numel() > child.data.numel()
     st = CapsuleStore(device_bytes=child.data.numel() + 64, host_bytes=0, disk_dir=tmp_path)
     st.put(child)                                       # the parent comes along
@@ -319,14 +311,14 @@ def test_real_delta_through_disk(runtime, tmp_path):
     fresh = runtime(arch)
     fresh.prefill(_ids(50, 42))
     st.restore_into(fresh, child.id)                    # parent loaded from disk for it
-    assert torch.equal(_state_bytes(fresh), want)
+    assert torch.equal(state_bytes(fresh), want)
     _check_store(st)
     CapsuleStore(device_bytes=0, host_bytes=0, disk_dir=tmp_path / "d").put(child)
     re = CapsuleStore(disk_dir=tmp_path / "d")          # index from the directory alone
     assert set(re.keys()) == {parent.id, child.id}
     fresh = runtime(arch)
     re.restore_into(fresh, child.id)
-    assert torch.equal(_state_bytes(fresh), want)
+    assert torch.equal(state_bytes(fresh), want)
 
 
 def test_open_cleans_and_validates(tmp_path):
@@ -449,7 +441,7 @@ def test_restore_into_validates_before_claim(runtime, tmp_path, with_disk):
     rt = runtime("qwen3")
     rt.prefill(_ids(12, 50))
     cap = rt.snapshot(single_use=True)
-    want = _state_bytes(rt)
+    want = state_bytes(rt)
     st = CapsuleStore(device_bytes=1 << 24, disk_dir=tmp_path if with_disk else None)
     key = st.put(cap)
     short = runtime("qwen3", max_seq_len=8)
@@ -477,7 +469,7 @@ def test_restore_into_validates_before_claim(runtime, tmp_path, with_disk):
     assert sorted(results) == ["consumed"] * 7 + ["ok"], results
     for i, k in enumerate(kids):
         if results[i] == "ok":
-            assert torch.equal(_state_bytes(k), want)
+            assert torch.equal(state_bytes(k), want)
         else:
             assert torch.equal(k.arena.data, befores[i]) and k.position == 3
     with pytest.raises(CapsuleConsumedError):
@@ -744,7 +736,7 @@ def test_runtime_ops_serialized(runtime):
         else:
             assert out == e["out"] or (out is None and e["out"] is None), (e["kind"], out, e["out"])
     assert replay.position == rt.position and replay.tokens == rt.tokens
-    assert torch.equal(_state_bytes(replay), _state_bytes(rt))
+    assert torch.equal(state_bytes(replay), state_bytes(rt))
 
 
 # ---- processes (last: the zygote's import overlaps everything above) -----------------------------
