@@ -7,13 +7,14 @@ restore are one copy for all of it plus one per per-token buffer (live rows only
 from __future__ import annotations
 
 import threading
+import weakref
 from dataclasses import dataclass, field, replace
 
 import torch
 
 from flashrt.arena import CAPSULE_KINDS, Arena
 from flashrt.errors import CapsuleConsumedError, CapsuleMismatchError
-from flashrt.native import copy_segments
+from flashrt.native import SegmentPlan, copy_segments
 
 _ALIGN = 64
 
@@ -70,6 +71,8 @@ class Capsule:
         self._consumed = False
         self.generation = 0               # bumped when rewritten in place (snapshot(into=))
         self.parent_capsule: Capsule | None = None   # delta capsules: rows below row0 live here
+        # Copy plans reused across calls (the buffers never move): key -> (arena ref, entries, plan)
+        self._plans: dict = {}
 
     # ---- public properties --------------------------------------------------------------
     @property
@@ -226,40 +229,79 @@ def _fixed_block_ok(arena: Arena, cap: Capsule, fixed) -> bool:
     return all(e.offset == arena.slot(e.name).offset - arena.fixed_begin for e in fixed)
 
 
+def _cached_plan(cap: Capsule, arena: Arena, key, build):
+    """A SegmentPlan cached on the capsule; valid while the same arena object is alive."""
+    hit = cap._plans.get(key)
+    if hit is not None and hit[0]() is arena:
+        return hit[1], hit[2]
+    entries, plan = build()
+    if len(cap._plans) > 8:
+        cap._plans.clear()
+    cap._plans[key] = (weakref.ref(arena), entries, plan)
+    return entries, plan
+
+
 def snapshot_arena(arena: Arena, position: int, meta: CapsuleMeta, into: Capsule | None = None,
                    pin: bool = False, fixed_only: bool = False, parent: Capsule | None = None) -> Capsule:
-    entries, need = plan_entries(arena, position, parent.position if parent is not None else 0)
-    if fixed_only:   # rollback checkpoints: KV rows below the position stay valid in the arena
-        entries = [e for e in entries if not e.seq]
-        need = _round(arena.fixed_end - arena.fixed_begin)
-    if into is not None:
-        if into.device != arena.device:
-            raise CapsuleMismatchError(f"snapshot(into=): capsule is on {into.device}, "
-                                       f"arena on {arena.device}")
-        if into.data.numel() < need:
-            raise CapsuleMismatchError(f"snapshot(into=): capsule buffer holds {into.data.numel()} B, "
-                                       f"this state needs {need} B")
-        cap = into
-        cap.entries, cap.meta = tuple(entries), meta
-        cap._by_name = {e.name: e for e in entries}
-        cap._consumed = False
-        cap.generation += 1
-    else:
+    row0 = parent.position if parent is not None else 0
+
+    def plan():
+        entries, need = plan_entries(arena, position, row0)
+        if fixed_only:   # rollback checkpoints: KV rows below the position stay valid in the arena
+            entries = [e for e in entries if not e.seq]
+            need = _round(arena.fixed_end - arena.fixed_begin)
+        return tuple(entries), need
+
+    if into is None:
+        entries, need = plan()
         data = torch.empty(need, dtype=torch.uint8, device=arena.device, pin_memory=pin)
         cap = Capsule(data, entries, meta)
+        cap.parent_capsule = parent
+        copy_segments(copy_pairs(arena, cap, entries, to_capsule=True))
+        return cap
+    if into.device != arena.device:
+        raise CapsuleMismatchError(f"snapshot(into=): capsule is on {into.device}, arena on {arena.device}")
+    cap = into
+
+    def build():
+        entries, need = plan()
+        if cap.data.numel() < need:
+            raise CapsuleMismatchError(f"snapshot(into=): capsule buffer holds {cap.data.numel()} B, "
+                                       f"this state needs {need} B")
+        old = cap.entries
+        cap.entries = entries                      # copy_pairs reads the fixed layout from it
+        pairs = copy_pairs(arena, cap, entries, to_capsule=True)
+        cap.entries = old
+        return entries, SegmentPlan(pairs)
+
+    entries, seg = _cached_plan(cap, arena, ("snap", position, fixed_only, row0), build)
+    cap.entries, cap.meta = entries, meta
+    cap._by_name = {e.name: e for e in entries}
+    cap._consumed = False
+    cap.generation += 1
     cap.parent_capsule = parent
-    copy_segments(copy_pairs(arena, cap, entries, to_capsule=True))
+    seg.run()
     return cap
 
 
 def restore_arena(arena: Arena, cap: Capsule, kinds: frozenset) -> None:
     """Copy the capsule (and, for a delta capsule, its ancestors' rows) into the arena."""
-    pairs = []
-    for anc in cap.chain()[:-1]:       # ancestors give only their per-token rows below row0
-        rows = [e for e in anc.entries if e.seq and e.kind != "meta" and e.kind in kinds]
-        pairs += copy_pairs(arena, anc, rows, to_capsule=False)
-    pairs += copy_pairs(arena, cap, [e for e in cap.entries if e.kind in kinds], to_capsule=False)
-    copy_segments(pairs)
+    def build():
+        pairs = []
+        for anc in cap.chain()[:-1]:       # ancestors give only their per-token rows below row0
+            rows = [e for e in anc.entries if e.seq and e.kind != "meta" and e.kind in kinds]
+            pairs += copy_pairs(arena, anc, rows, to_capsule=False)
+        pairs += copy_pairs(arena, cap, [e for e in cap.entries if e.kind in kinds], to_capsule=False)
+        return cap.entries, SegmentPlan(pairs)
+
+    if cap.is_delta:                       # ancestors may be re-attached: plan afresh
+        build()[1].run()
+        return
+    # keyed by the entries tuple itself: a capsule rewritten in place gets a new plan
+    entries, seg = _cached_plan(cap, arena, ("restore", kinds, id(cap.entries)), build)
+    if entries is not cap.entries:
+        entries, seg = build()
+    seg.run()
 
 
 def check_fits(cap: Capsule, arena: Arena, fingerprint: dict, max_seq_len: int) -> None:
