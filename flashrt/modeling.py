@@ -7,6 +7,7 @@ in place, so the same forward runs eagerly on CPU and inside a captured CUDA gra
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from .arena import BufferSpec
@@ -27,8 +28,16 @@ class CausalLM(nn.Module):
         raise NotImplementedError
 
     def map_weight_name(self, name: str) -> str | None:
-        """Checkpoint tensor name -> parameter name; None means 'known, ignored here'."""
-        raise NotImplementedError
+        """Checkpoint tensor name -> parameter name; None means 'known, ignored here'.
+        Default: the plain Hugging Face causal-LM layout (`model.*`, optional `lm_head`)."""
+        if name == "lm_head.weight" and self.config.tie_word_embeddings:
+            return None                     # a tied head saved anyway duplicates embed_tokens
+        return name[len("model."):] if name.startswith("model.") else name
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        """Logits from final hidden states (T, hidden) -> (T, vocab), tied or untied."""
+        w = self.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
+        return F.linear(x, w)
 
     # -- shared --------------------------------------------------------------------------
     @property

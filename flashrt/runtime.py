@@ -207,13 +207,7 @@ class Runtime:
                                         stop, ignore_eos, speculative, draft_tokens, drafter)
         validate(temperature, top_k, top_p)
         with self._lock:
-            if ids is not None:
-                self.prefill(ids)
-            elif self._pos == 0:
-                raise RuntimeError("generate() without ids on an empty session: prefill first")
-            if seed is not None:
-                seed_rng(self.arena["sampler.rng"], seed)
-            stops = set(stop) | (set() if ignore_eos else set(self.model.eos_ids))
+            stops = self._start_generation(ids, seed, stop, ignore_eos, self.prefill)
             out, self.finish_reason = [], "length"
             for _ in range(max_new_tokens):
                 if self._pos >= self.max_seq_len:
@@ -227,6 +221,16 @@ class Runtime:
                     self.finish_reason = "stop"
                     break
             return out
+
+    def _start_generation(self, ids, seed, stop, ignore_eos, prefill) -> set:
+        """Shared by plain and speculative generate: prefill or require context, reseed, stops."""
+        if ids is not None:
+            prefill(ids)
+        elif self._pos == 0:
+            raise RuntimeError("generate() without ids on an empty session: prefill first")
+        if seed is not None:
+            seed_rng(self.arena["sampler.rng"], seed)
+        return set(stop) | (set() if ignore_eos else set(self.model.eos_ids))
 
     @torch.no_grad()
     def reset(self) -> None:

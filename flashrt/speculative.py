@@ -97,7 +97,7 @@ import torch
 from flashrt.arena import CAPSULE_KINDS
 from flashrt.capsules.capsule import CapsuleMeta, restore_arena, snapshot_arena
 from flashrt.layers import StepCtx
-from flashrt.sampler import sample, seed_rng, uniform, validate
+from flashrt.sampler import sample, uniform, validate
 
 MODES = ("mtp", "draft")
 
@@ -372,13 +372,7 @@ def generate(rt, ids=None, max_new_tokens: int = 32, temperature: float = 0.0, t
     validate(temperature, top_k, top_p)
     with rt._lock:
         g = _Generation(rt, draft_tokens, drafter, temperature, top_k, top_p)
-        if ids is not None:
-            g.prefill(ids)
-        elif rt._pos == 0:
-            raise RuntimeError("generate() without ids on an empty session: prefill first")
-        if seed is not None:
-            seed_rng(rt.arena["sampler.rng"], seed)
-        stops = set(stop) | (set() if ignore_eos else set(rt.model.eos_ids))
+        stops = rt._start_generation(ids, seed, stop, ignore_eos, g.prefill)
         return g.run(max_new_tokens, stops)
 
 

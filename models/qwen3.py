@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch.nn.functional as F
 from torch import nn
 
 from flashrt.arena import BufferSpec
@@ -100,15 +99,10 @@ class Model(CausalLM):
         cos, sin = self.rotary(ctx.positions, x.dtype)
         for layer in self.layers:
             x = layer(x, ctx, state, cos, sin)
-        x = self.norm(x if all_logits else x[-1:])
-        head = self.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
-        return F.linear(x, head)                                 # (T or 1, vocab)
+        return self.head(self.norm(x if all_logits else x[-1:]))   # (T or 1, vocab)
 
     # ---- weight-name mapping ----------------------------------------------------------
-    def map_weight_name(self, name: str) -> str | None:
-        if name == "lm_head.weight" and self.config.tie_word_embeddings:
-            return None                     # a tied head saved anyway duplicates embed_tokens
-        return name[len("model."):] if name.startswith("model.") else name
+    # the plain Hugging Face layout: CausalLM.map_weight_name
 
 
 CONFIG = Qwen3Config
