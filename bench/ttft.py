@@ -5,7 +5,8 @@ For each model and shared-prefix length P (suffix of S new tokens):
   flashrt capsule   restore(capsule taken after the prefix); prefill(suffix); first token
   transformers cold         forward(prefix + suffix, logits_to_keep=1)
   transformers deep-copy    copy.deepcopy(cache after the prefix); forward(suffix, that cache)
-  llama.cpp (optional)      eval(prefix + suffix) / load_state(state after prefix) + eval(suffix)
+  llama.cpp (optional)      eval(prefix + suffix) / llama_state_seq_set_data(state after prefix)
+                            + eval(suffix), over a GGUF of the same checkpoint (bench/gguf.py)
 Every path then decodes greedily; "same N tok" says whether its first N greedy tokens equal
 those of its own cold path (flashrt also compares the first-token logits bit for bit).
 
@@ -23,9 +24,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import common as C  # noqa: E402
+from bench.gguf import gguf_path  # noqa: E402
 
-LLAMA_MISSING = ("llama.cpp: not installed (optional bench extra: pip install llama-cpp-python; "
-                 "needs a GGUF conversion, see bench/README)")
+LLAMA_MISSING = ("not installed (optional bench extra: pip install llama-cpp-python, then "
+                 "bench/gguf.py; see bench/README)")
 
 
 def parse(argv):
@@ -38,7 +40,8 @@ def parse(argv):
     p.add_argument("--suffix", type=int, default=16, help="new tokens after the prefix (default 16)")
     p.add_argument("--gen", type=int, default=16, help="greedy tokens compared per path (default 16)")
     p.add_argument("--gguf", action="append", default=[], metavar="ARCH:SIZE=PATH",
-                   help="GGUF conversion of that checkpoint for the llama.cpp column (repeatable)")
+                   help="GGUF conversion of that checkpoint for the llama.cpp column (repeatable; "
+                   "default: bench/gguf.py's output in ~/.cache/flashrt/gguf when present)")
     p.add_argument("--no-hf", action="store_true", help="skip the transformers columns")
     p.add_argument("--plot", default=None, help="PNG path (default bench/results/ttft.png)")
     a = p.parse_args(argv)
@@ -70,21 +73,45 @@ def llama_installed() -> bool:
     return importlib.util.find_spec("llama_cpp") is not None
 
 
+def llama_version() -> str:
+    try:
+        from importlib.metadata import version
+        return "llama-cpp-python " + version("llama_cpp_python")
+    except Exception:
+        return "(version unknown)"
+
+
 class LlamaPath:
-    """llama-cpp-python over a GGUF conversion of the same checkpoint (same token ids).
+    """llama.cpp (through llama-cpp-python's ctypes bindings) over a GGUF conversion of the same
+    checkpoint (bench/gguf.py): same token ids, same weights, weights and KV cache in the same
+    dtype as the other columns.
 
-    State reuse goes through llama-cpp-python's save_state/load_state, which add Python-side
-    copies on top of llama.cpp's C state API; the column says so."""
+    Reuse goes through llama.cpp's C sequence-state API into a buffer allocated once
+    (llama_state_seq_get_data / llama_state_seq_set_data), not llama-cpp-python's
+    save_state/load_state, which add Python-side copies of the whole state. Logits are read with
+    llama_get_logits_ith(-1): with logits_all=False the wrapper's `scores` are not filled."""
 
-    def __init__(self, gguf: str, n_ctx: int, threads: int):
+    KV_TYPES = {"float32": 0, "float16": 1, "bfloat16": 30}     # GGML_TYPE_F32 / F16 / BF16
+
+    def __init__(self, gguf: str, n_ctx: int, threads: int, dtype: str):
+        import ctypes
+
+        import llama_cpp
         from llama_cpp import Llama
+        self.lib, self.ctypes = llama_cpp, ctypes
+        kv = self.KV_TYPES[dtype]
+        # n_batch 2048 / n_ubatch 512: llama.cpp's own CLI defaults
         self.llm = Llama(model_path=gguf, n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
-                         n_batch=512, logits_all=False, verbose=False)
-        self.state = None
+                         n_batch=2048, n_ubatch=512, type_k=kv, type_v=kv, logits_all=False,
+                         verbose=False)
+        self.ctx = self.llm._ctx.ctx
+        self.n_vocab = self.llm.n_vocab()
+        self.buf, self.n_state, self.prefix = None, 0, []
 
     def _last(self):
         import numpy as np
-        return np.array(self.llm.scores[self.llm.n_tokens - 1], copy=True)
+        ptr = self.lib.llama_get_logits_ith(self.ctx, -1)
+        return np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).copy()
 
     def cold(self, ids):
         self.llm.reset()
@@ -92,12 +119,19 @@ class LlamaPath:
         return self._last()
 
     def prime(self, prefix):
-        self.llm.reset()
-        self.llm.eval(prefix)
-        self.state = self.llm.save_state()
+        self.cold(prefix)
+        n = self.lib.llama_state_seq_get_size(self.ctx, 0)
+        self.buf = (self.ctypes.c_uint8 * n)()
+        self.n_state = self.lib.llama_state_seq_get_data(self.ctx, self.buf, n, 0)
+        self.prefix = list(prefix)
+        return self.n_state
 
     def reuse(self, suffix):
-        self.llm.load_state(self.state)
+        if self.lib.llama_state_seq_set_data(self.ctx, self.buf, self.n_state, 0) != self.n_state:
+            raise RuntimeError("llama_state_seq_set_data refused the saved state")
+        P = len(self.prefix)
+        self.llm.n_tokens = P                   # what load_state does, without its copies
+        self.llm.input_ids[:P] = self.prefix
         self.llm.eval(suffix)
         return self._last()
 
@@ -120,10 +154,19 @@ def bench_model(arch, size, a, table, llama_rows):
     n_ctx = max(a.prefix) + a.suffix + a.gen + 1
     rt = C.load_flashrt(path, a, max_seq_len=n_ctx)
     hf = None if a.no_hf else C.load_hf(path, a)
-    llama = None
-    key = f"{arch}:{size}"
-    if key in a.gguf and llama_installed():
-        llama = LlamaPath(a.gguf[key], n_ctx, torch.get_num_threads())
+    llama, why = None, None
+    gguf = a.gguf.get(f"{arch}:{size}") or gguf_path(arch, size, a.dtype)
+    if not llama_installed():
+        why = LLAMA_MISSING
+    elif a.device != "cpu":
+        why = "llama-cpp-python built for the CPU here; this run is on " + a.device
+    elif not Path(gguf).exists():
+        why = f"no GGUF at {C.short_path(gguf)} (python bench/gguf.py --llama-src ... --dtype {a.dtype})"
+    else:
+        try:
+            llama = LlamaPath(str(gguf), n_ctx, torch.get_num_threads(), a.dtype)
+        except Exception as e:               # a family llama.cpp cannot load: say why
+            why = f"llama.cpp could not load {C.short_path(gguf)}: {type(e).__name__}: {e}"
     vocab = rt.net.vocab_size
     out = {"arch": arch, "size": size, "label": lab, "checkpoint": C.short_path(path),
            "hf_attn": C.hf_attn_name(hf) if hf is not None else None, "points": []}
@@ -153,7 +196,7 @@ def bench_model(arch, size, a, table, llama_rows):
                 lambda: C.hf_forward(hf, suffix, a.device, copy.deepcopy(pcache)),
                 post=lambda r: keep("hf_reuse", (C.hf_greedy(hf, *r, a.gen, a.device), r[0])))
         if llama is not None:
-            llama.prime(prefix)
+            llama_state = llama.prime(prefix)
             cases["llama_cold"] = C.Case(lambda: llama.cold(full),
                                          post=lambda l: keep("llama_cold", (llama.greedy(l, a.gen), l)))
             cases["llama_reuse"] = C.Case(lambda: llama.reuse(suffix),
@@ -189,11 +232,21 @@ def bench_model(arch, size, a, table, llama_rows):
         else:
             row += ["-"] * 6
         if llama is not None:
+            pt["llama_state_bytes"] = llama_state
             pt["llama_same_tokens"] = toks("llama_reuse") == toks("llama_cold")
+            pt["llama_same_logits"] = bool((got["llama_reuse"][1] == got["llama_cold"][1]).all())
             pt["llama_speedup"] = C.ratio(st["llama_cold"], st["llama_reuse"])
-            llama_rows.append([lab, P, st["llama_cold"].ms(0), st["llama_reuse"].ms(1),
-                               C.fmt_ratio(pt["llama_speedup"], 1), _same(pt["llama_same_tokens"]),
-                               C.fmt_ratio(C.ratio(st["flashrt_capsule"], st["llama_reuse"]))])
+            pt["flashrt_vs_llama_cold"] = C.ratio(st["flashrt_cold"], st["llama_cold"])
+            pt["flashrt_vs_llama_reuse"] = C.ratio(st["flashrt_capsule"], st["llama_reuse"])
+            llama_rows.append([lab, P, C.fmt_bytes(llama_state), st["llama_cold"].ms(0),
+                               st["llama_reuse"].ms(1), C.fmt_ratio(pt["llama_speedup"], 1),
+                               _same(pt["llama_same_tokens"]) + (" (logits bitwise)" if pt["llama_same_logits"]
+                                                                  else " (logits differ)"),
+                               C.fmt_ratio(pt["flashrt_vs_llama_cold"]),
+                               C.fmt_ratio(pt["flashrt_vs_llama_reuse"])])
+        elif P == a.prefix[0]:
+            llama_rows.append([lab, "-", "-", "-", "-", "-", why, "-", "-"])
+        out["llama"] = why or "ran"
         table.add(*row)
         out["points"].append(pt)
         del cap, got, cases
@@ -258,15 +311,15 @@ def main(argv=None) -> int:
                     "transformers' hybrid layers run its reference PyTorch kernels on CPU "
                     "(flash-linear-attention / causal-conv1d not installed), and so do flashrt's"]
     tables = [table]
-    if llama_rows:
-        lt = C.Table("llama.cpp (llama-cpp-python save_state/load_state, which add Python-side copies)",
-                     ["model", "prefix", "cold ms", "state-restore ms", "speedup", f"same {a.gen} tok",
-                      "flashrt capsule / llama.cpp"], [[str(c) for c in r] for r in llama_rows])
-        tables.append(lt)
-    else:
-        why = LLAMA_MISSING if not llama_installed() else \
-            "llama.cpp: installed, but no --gguf ARCH:SIZE=PATH given for these models (see bench/README)"
-        table.notes.append(why)
+    lt = C.Table(f"llama.cpp on the same checkpoint (GGUF, {a.dtype} weights and KV cache; "
+                 "sequence-state API into a preallocated buffer)",
+                 ["model", "prefix", "state", "cold ms", "state-restore ms", "speedup",
+                  f"same {a.gen} tok", "flashrt/llama cold", "flashrt/llama reuse"],
+                 [[str(c) for c in r] for r in llama_rows])
+    lt.notes += ["state-restore = llama_state_seq_set_data of the state saved after the prefix, then "
+                 "eval(suffix); flashrt/llama < 1: flashrt faster",
+                 f"llama.cpp {llama_version()}: its own CPU kernels (ggml), same thread count"]
+    tables.append(lt)
     C.print_tables(tables)
     print(C.RANDOM_NOTE)
     data = {"prefixes": a.prefix, "suffix": a.suffix, "gen": a.gen, "repeats": a.repeats,

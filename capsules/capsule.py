@@ -6,6 +6,7 @@ restore are one copy for all of it plus one per per-token buffer (live rows only
 """
 from __future__ import annotations
 
+import functools
 import threading
 import weakref
 from dataclasses import dataclass, field, replace
@@ -41,7 +42,7 @@ class Entry:
     seq: bool
     row0: int = 0         # first stored row; > 0 in shared-prefix (delta) capsules
 
-    @property
+    @functools.cached_property      # frozen: computed once (hot: snapshot/restore read it)
     def nbytes(self) -> int:
         n = dtype_from_name(self.dtype).itemsize
         for s in self.shape:
@@ -64,15 +65,31 @@ class Capsule:
 
     def __init__(self, data: torch.Tensor, entries: list[Entry], meta: CapsuleMeta):
         self.data = data                  # uint8, capacity >= end of the last entry
-        self.entries = tuple(entries)
+        self.entries = entries
         self.meta = meta
-        self._by_name = {e.name: e for e in self.entries}
         self._claim = threading.Lock()
         self._consumed = False
         self.generation = 0               # bumped when rewritten in place (snapshot(into=))
         self.parent_capsule: Capsule | None = None   # delta capsules: rows below row0 live here
         # Copy plans reused across calls (the buffers never move): key -> (arena ref, entries, plan)
         self._plans: dict = {}
+        # (entries, arena ref, max_seq_len) that passed the per-buffer layout checks
+        self._fits: tuple | None = None
+
+    # The entry table is immutable; what is derived from it is computed when it is replaced.
+    @property
+    def entries(self) -> tuple:
+        return self._entries
+
+    @entries.setter
+    def entries(self, entries) -> None:
+        if entries is getattr(self, "_entries", None):
+            return                        # snapshot(into=) at a cached position: same table
+        self._entries = tuple(entries)
+        self._by_name = {e.name: e for e in self._entries}
+        self._nbytes = sum(e.nbytes for e in self._entries)
+        self._kinds = frozenset(e.kind for e in self._entries)
+        self._is_delta = any(e.row0 for e in self._entries)
 
     # ---- public properties --------------------------------------------------------------
     @property
@@ -82,7 +99,7 @@ class Capsule:
     @property
     def nbytes(self) -> int:
         """Bytes this capsule holds itself (a delta capsule excludes its parent's rows)."""
-        return sum(e.nbytes for e in self.entries)
+        return self._nbytes
 
     @property
     def id(self) -> str:
@@ -90,7 +107,7 @@ class Capsule:
 
     @property
     def is_delta(self) -> bool:
-        return any(e.row0 for e in self.entries)
+        return self._is_delta
 
     def chain(self) -> list["Capsule"]:
         """[root, ..., self]: the capsules whose rows compose this one's state."""
@@ -109,7 +126,7 @@ class Capsule:
 
     @property
     def kinds(self) -> frozenset:
-        return frozenset(e.kind for e in self.entries)
+        return self._kinds
 
     @property
     def fingerprint(self) -> str:
@@ -276,7 +293,6 @@ def snapshot_arena(arena: Arena, position: int, meta: CapsuleMeta, into: Capsule
 
     entries, seg = _cached_plan(cap, arena, ("snap", position, fixed_only, row0), build)
     cap.entries, cap.meta = entries, meta
-    cap._by_name = {e.name: e for e in entries}
     cap._consumed = False
     cap.generation += 1
     cap.parent_capsule = parent
@@ -316,15 +332,30 @@ def check_fits(cap: Capsule, arena: Arena, fingerprint: dict, max_seq_len: int) 
                                        f"its parent's {parent.id}")
 
 
+_FINGERPRINT_KEYS = ("model_type", "config", "weights", "dtype", "layout")
+
+
 def _check_one(cap: Capsule, arena: Arena, fingerprint: dict, max_seq_len: int) -> None:
     theirs = cap.meta.fingerprint
-    for key in ("model_type", "config", "weights", "dtype", "layout"):
-        if theirs.get(key) != fingerprint.get(key):
-            raise CapsuleMismatchError(f"capsule {key} differs: capsule has {theirs.get(key)!r}, "
-                                       f"runtime has {fingerprint.get(key)!r}")
+    if theirs is not fingerprint and theirs != fingerprint:
+        for key in _FINGERPRINT_KEYS:
+            if theirs.get(key) != fingerprint.get(key):
+                raise CapsuleMismatchError(f"capsule {key} differs: capsule has {theirs.get(key)!r}, "
+                                           f"runtime has {fingerprint.get(key)!r}")
     if cap.position > max_seq_len:
         raise CapsuleMismatchError(f"capsule position {cap.position} exceeds this runtime's "
                                    f"max_seq_len {max_seq_len}")
+    # The per-buffer checks depend only on the (immutable) entry table, the arena and the
+    # capacity: a table that passed them once for this arena need not be walked again.
+    fits = cap._fits
+    if fits is not None and fits[0] is cap.entries and fits[1]() is arena and fits[2] == max_seq_len \
+            and fits[3] == cap.position and fits[4] == cap.data.numel():
+        return
+    _check_entries(cap, arena)
+    cap._fits = (cap.entries, weakref.ref(arena), max_seq_len, cap.position, cap.data.numel())
+
+
+def _check_entries(cap: Capsule, arena: Arena) -> None:
     for e in cap.entries:
         if e.name not in arena:
             raise CapsuleMismatchError(f"capsule buffer {e.name!r} is not in this runtime's layout")

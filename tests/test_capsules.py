@@ -2,6 +2,7 @@
 fork independence, RNG travel, rollback, validation."""
 from __future__ import annotations
 
+import dataclasses
 import threading
 
 import pytest
@@ -209,6 +210,35 @@ def test_validation_refuses_and_leaves_state(runtime, ckpt):
     if len(ARCHS) > 1:
         other_model = runtime([a for a in ARCHS if a != "qwen3"][0])
         refused(other_model.snapshot(), "model_type")
+
+
+def test_validation_after_a_passed_restore(runtime):
+    """Per-buffer checks are cached per entry table; tampering after a passed restore is
+    still refused and leaves the state alone."""
+    rt = runtime("qwen3")
+    rt.prefill(_ids(12, 22))
+    cap = rt.snapshot()
+    rt.restore(cap)                                # passes; the check result is cached
+    rt.prefill(_ids(3, 23))
+    before = rt.arena.data.clone()
+    cap.meta.fingerprint["weights"] = "0" * 16
+    with pytest.raises(flashrt.CapsuleMismatchError, match="weights"):
+        rt.restore(cap)
+    cap.meta.fingerprint = dict(rt.fingerprint)
+    kv = next(i for i, e in enumerate(cap.entries) if e.kind == "kv")
+    bad = list(cap.entries)
+    bad[kv] = dataclasses.replace(bad[kv], shape=(bad[kv].shape[0],) + (7,) * (len(bad[kv].shape) - 1))
+    good_entries, cap.entries = cap.entries, bad
+    with pytest.raises(flashrt.CapsuleMismatchError, match=bad[kv].name):
+        rt.restore(cap)
+    cap.entries = good_entries
+    cap.meta.position += 1                         # the rows no longer end at the position
+    with pytest.raises(flashrt.CapsuleMismatchError, match="position"):
+        rt.restore(cap)
+    assert torch.equal(rt.arena.data, before) and rt.position == 15
+    cap.meta.position -= 1
+    rt.restore(cap)
+    assert rt.position == 12
 
 
 def test_single_use_capsule_threads(runtime):

@@ -1,0 +1,137 @@
+"""Convert flashrt's random-weight checkpoints to GGUF for the llama.cpp column of bench/ttft.py.
+
+llama.cpp's own converter (vendor/llama.cpp/convert_hf_to_gguf.py in llama-cpp-python's source
+tarball) does the conversion; this script only prepares what it needs and never edits it:
+
+* a staging directory with links to the checkpoint's config and safetensors files, plus a
+  byte-level BPE tokenizer (256 byte tokens, no merges) written with the `tokenizers` library:
+  the converter insists on a tokenizer, and pads the vocabulary to the config's vocab_size with
+  unused tokens, so token ids are the model's ids and the bench feeds ids directly;
+* the converter refuses BPE pre-tokenizers whose hash it does not know; ours is plain
+  byte-level, which llama.cpp calls "gpt-2", so the converter runs with that answer patched in
+  (in the child process only);
+* Qwen3.5: `--no-mtp`, so llama.cpp runs the plain model (the MTP layer is a draft head).
+
+    pip download --no-binary :all: --no-deps llama-cpp-python==0.3.36 && tar xzf llama_cpp_python-0.3.36.tar.gz
+    python bench/gguf.py --llama-src llama_cpp_python-0.3.36          # default models, float32
+    python bench/ttft.py                                               # finds them in the cache
+
+Output: ~/.cache/flashrt/gguf/<arch>-<size>-<dtype>.gguf (the name ttft.py looks for).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench import common as C  # noqa: E402
+
+OUTTYPE = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
+
+# Run in a child process: patch the pre-tokenizer answer, then hand argv to the converter.
+_RUNNER = """
+import runpy, sys
+from pathlib import Path
+conv = Path(sys.argv[1])
+sys.path[:0] = [str(conv.parent), str(conv.parent / "gguf-py")]
+import conversion.base as base
+base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "gpt-2"
+sys.argv = [str(conv)] + sys.argv[2:]
+runpy.run_path(str(conv), run_name="__main__")
+"""
+
+
+def gguf_path(arch: str, size: str, dtype: str, cache_dir: Path | None = None) -> Path:
+    base = cache_dir or Path.home() / ".cache" / "flashrt" / "gguf"
+    return base / f"{arch}-{size}-{dtype}.gguf"
+
+
+def find_converter(src: Path) -> Path:
+    for cand in (src / "convert_hf_to_gguf.py", src / "vendor" / "llama.cpp" / "convert_hf_to_gguf.py"):
+        if cand.is_file():
+            return cand
+    raise FileNotFoundError(f"no convert_hf_to_gguf.py under {src} (give llama-cpp-python's unpacked "
+                            "source tarball or a llama.cpp checkout)")
+
+
+def write_byte_tokenizer(out: Path, eos_id: int | None) -> None:
+    """A byte-level BPE tokenizer with the 256 byte symbols only (ids 0-255)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(str(out))
+    cfg_path = out / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["eos_token_id"] = eos_id        # informative; the model's config carries the real ids
+    cfg_path.write_text(json.dumps(cfg, indent=1))
+
+
+def _text_config(cfg: dict) -> dict:
+    return cfg.get("text_config", cfg)
+
+
+def stage(ckpt: Path, out: Path) -> None:
+    for f in ckpt.iterdir():
+        if f.suffix in (".json", ".safetensors") and f.name != "flashrt_checkpoint.json":
+            (out / f.name).symlink_to(f.resolve())
+    eos = _text_config(json.loads((ckpt / "config.json").read_text())).get("eos_token_id")
+    write_byte_tokenizer(out, eos[0] if isinstance(eos, list) else eos)
+
+
+def convert(arch: str, size: str, dtype: str, llama_src: Path, out: Path | None = None,
+            force: bool = False) -> Path:
+    out = out or gguf_path(arch, size, dtype)
+    if out.exists() and not force:
+        print(f"{out}: exists (use --force to redo)")
+        return out
+    conv = find_converter(llama_src)
+    ckpt = C.checkpoint(arch, size)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=f"flashrt-gguf-{arch}-") as tmp:
+        stage(ckpt, Path(tmp))
+        cmd = [sys.executable, "-c", _RUNNER, str(conv), tmp, "--outtype", OUTTYPE[dtype],
+               "--outfile", str(out) + ".part"]
+        if arch == "qwen3_5":
+            cmd.append("--no-mtp")
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        if r.returncode != 0:
+            raise RuntimeError(f"convert_hf_to_gguf failed for {arch}/{size} ({dtype}):\n"
+                               + "\n".join((r.stdout + r.stderr).splitlines()[-25:]))
+    Path(str(out) + ".part").replace(out)
+    print(f"{out}: {out.stat().st_size / 2**20:.1f} MiB from {C.short_path(ckpt)}")
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser("bench/gguf.py", description=__doc__.split("\n")[0])
+    p.add_argument("--llama-src", type=Path, required=True,
+                   help="unpacked llama-cpp-python source tarball or llama.cpp checkout")
+    p.add_argument("--models", default="qwen3_5:real,qwen3:small,lfm2:small",
+                   help="comma list of arch:size (default: ttft.py's CPU models)")
+    p.add_argument("--dtype", default="float32", choices=sorted(OUTTYPE))
+    p.add_argument("--force", action="store_true")
+    a = p.parse_args(argv)
+    failed = []
+    for m in a.models.split(","):
+        arch, size = m.split(":")
+        try:
+            convert(arch, size, a.dtype, a.llama_src, force=a.force)
+        except (RuntimeError, FileNotFoundError) as e:
+            print(e)
+            failed.append(m)
+    if failed:
+        print(f"not converted: {', '.join(failed)}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
