@@ -76,7 +76,7 @@ class SegmentPlan:
     records their addresses: re-allocating a tensor (``resize_``, ``set_``)
     makes it stale. Destinations must not overlap each other or any source.
     ``num_threads`` (CPU only): None or 0 = all hardware threads; copies
-    under 1 MiB always run on the calling thread.
+    under 2 MiB always run on the calling thread.
 
     Execution path, chosen at construction:
       * all CPU   -> ``_C.copy_segments_cpu`` (threads split the bytes; GIL released).

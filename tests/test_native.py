@@ -69,7 +69,7 @@ def test_many_small_segments(backend, num_threads):
 
 @pytest.mark.parametrize("num_threads", [1, 2, 3, None])
 def test_huge_segment_split_across_threads(backend, num_threads):
-    # 5 MiB + 77 B: one segment well past the 1 MiB threshold, uneven split.
+    # 5 MiB + 77 B: one segment past the 2 MiB parallel threshold, uneven split.
     src = torch.randint(0, 256, (5 * (1 << 20) + 77,), dtype=torch.uint8)
     dst = torch.zeros_like(src)
     small_src = torch.randint(0, 256, (333,), dtype=torch.uint8)
@@ -86,6 +86,52 @@ def test_random_mixed_sizes(backend, num_threads):
         pairs, dst, expected = random_segments(rng, 8 << 20, 40, 300_000)
         native.copy_segments(pairs, num_threads=num_threads)
         assert torch.equal(dst, expected)
+
+
+@needs_ext
+def test_parallel_copies_from_many_threads():
+    """Python threads share the extension's copy pool (one job at a time, the GIL released):
+    every caller's bytes land where they should."""
+    import threading
+    jobs = [random_segments(random.Random(10 + i), 4 << 20, 30, 250_000) for i in range(6)]
+    errors = []
+
+    def work(i):
+        pairs, dst, expected = jobs[i]
+        plan = native.SegmentPlan(pairs, num_threads=4)
+        for _ in range(20):
+            dst.zero_()
+            plan.run()
+            if not torch.equal(dst, expected):
+                errors.append(i)
+                return
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(jobs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+
+
+@needs_ext
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork()")
+def test_parallel_copy_after_fork():
+    """A forked child has none of the parent's pool threads; its parallel copies still run.
+    (The child touches tensors through numpy only: torch's OpenMP pool may hang after fork.)"""
+    src = torch.from_numpy(np.random.default_rng(0).integers(0, 256, 3 << 20, np.uint8))
+    dst = torch.zeros_like(src)
+    native.copy_segments([(src, dst)], num_threads=2)      # the parent's pool exists now
+    pid = os.fork()
+    if pid == 0:                                           # child: exit code says it all
+        ok = False
+        try:
+            dst.numpy()[:] = 0
+            native.copy_segments([(src, dst)], num_threads=2)
+            ok = bool((src.numpy() == dst.numpy()).all())
+        finally:
+            os._exit(0 if ok else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
 
 
 def test_empty_and_zero_length(backend):
