@@ -4,7 +4,7 @@ llama.cpp's own converter (vendor/llama.cpp/convert_hf_to_gguf.py in llama-cpp-p
 tarball) does the conversion; this script only prepares what it needs and never edits it:
 
 * a staging directory with links to the checkpoint's config and safetensors files, plus a
-  byte-level BPE tokenizer (256 byte tokens, no merges) written with the `tokenizers` library:
+  byte-level BPE tokenizer (256 byte tokens, 3 merges) written with the `tokenizers` library:
   the converter insists on a tokenizer, and pads the vocabulary to the config's vocab_size with
   unused tokens, so token ids are the model's ids and the bench feeds ids directly;
 * the converter refuses BPE pre-tokenizers whose hash it does not know; ours is plain
@@ -60,12 +60,16 @@ def find_converter(src: Path) -> Path:
 
 
 def write_byte_tokenizer(out: Path, eos_id: int | None) -> None:
-    """A byte-level BPE tokenizer with the 256 byte symbols only (ids 0-255)."""
+    """A byte-level BPE tokenizer: the 256 byte symbols (ids 0-255) and three merges."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    # llama.cpp refuses a BPE vocabulary without merges: three real ones (ids 256-258)
+    merges = [("Ġ", "t"), ("h", "e"), ("Ġt", "he")]
+    for a, b in merges:
+        vocab[a + b] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(str(out))

@@ -136,14 +136,16 @@ class LlamaPath:
         return self._last()
 
     def greedy(self, logits, n):
-        toks = []
+        """(tokens, per-step logits), like common.rt_greedy."""
+        toks, steps = [], [logits]
         for i in range(n):
             t = int(logits.argmax())
             toks.append(t)
             if i + 1 < n:
                 self.llm.eval([t])
                 logits = self._last()
-        return toks
+                steps.append(logits)
+        return toks, steps
 
 
 # ---- one model ----------------------------------------------------------------------------------
@@ -238,14 +240,22 @@ def bench_model(arch, size, a, table, llama_rows):
             pt["llama_speedup"] = C.ratio(st["llama_cold"], st["llama_reuse"])
             pt["flashrt_vs_llama_cold"] = C.ratio(st["flashrt_cold"], st["llama_cold"])
             pt["flashrt_vs_llama_reuse"] = C.ratio(st["flashrt_capsule"], st["llama_reuse"])
+            # same model? llama.cpp's cold path against flashrt's: greedy agreement and first logits
+            mine, theirs = toks("flashrt_cold"), toks("llama_cold")
+            pt["llama_agree_with_flashrt"] = next((i for i, (x, y) in enumerate(zip(mine, theirs)) if x != y),
+                                                  len(mine))
+            pt["llama_vs_flashrt_max_abs_logit_diff"] = float(
+                abs(got["llama_cold"][1] - got["flashrt_cold"][1].float().cpu().numpy()).max())
             llama_rows.append([lab, P, C.fmt_bytes(llama_state), st["llama_cold"].ms(0),
                                st["llama_reuse"].ms(1), C.fmt_ratio(pt["llama_speedup"], 1),
                                _same(pt["llama_same_tokens"]) + (" (logits bitwise)" if pt["llama_same_logits"]
                                                                   else " (logits differ)"),
+                               f'{pt["llama_agree_with_flashrt"]}/{a.gen}, '
+                               f'{pt["llama_vs_flashrt_max_abs_logit_diff"]:.1e}',
                                C.fmt_ratio(pt["flashrt_vs_llama_cold"]),
                                C.fmt_ratio(pt["flashrt_vs_llama_reuse"])])
         elif P == a.prefix[0]:
-            llama_rows.append([lab, "-", "-", "-", "-", "-", why, "-", "-"])
+            llama_rows.append([lab, "-", "-", "-", "-", "-", why, "-", "-", "-"])
         out["llama"] = why or "ran"
         table.add(*row)
         out["points"].append(pt)
@@ -314,10 +324,12 @@ def main(argv=None) -> int:
     lt = C.Table(f"llama.cpp on the same checkpoint (GGUF, {a.dtype} weights and KV cache; "
                  "sequence-state API into a preallocated buffer)",
                  ["model", "prefix", "state", "cold ms", "state-restore ms", "speedup",
-                  f"same {a.gen} tok", "flashrt/llama cold", "flashrt/llama reuse"],
+                  f"same {a.gen} tok", "vs flashrt cold", "flashrt/llama cold", "flashrt/llama reuse"],
                  [[str(c) for c in r] for r in llama_rows])
     lt.notes += ["state-restore = llama_state_seq_set_data of the state saved after the prefix, then "
                  "eval(suffix); flashrt/llama < 1: flashrt faster",
+                 f"vs flashrt cold: leading greedy tokens of llama.cpp's cold path equal to flashrt's "
+                 f"(of {a.gen}) and max |first-token logit diff|: a check that the GGUF is the same model",
                  f"llama.cpp {llama_version()}: its own CPU kernels (ggml), same thread count"]
     tables.append(lt)
     C.print_tables(tables)

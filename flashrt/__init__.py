@@ -22,17 +22,19 @@ from .version import __version__  # noqa: E402
 
 def load(path, device="cpu", dtype=None, max_seq_len: int = 4096, cuda_graphs: bool = True,
          sessions: int = 1, prefill_chunk: int = 2048, checkpoint_every: int = 1024,
-         max_checkpoints: int = 16, seed: int = 0):
+         max_checkpoints: int = 16, seed: int = 0, linear_kernel: str = "auto"):
     """Load a Hugging Face-format checkpoint directory and open a session on it.
 
     sessions > 1 pre-allocates (and on CUDA pre-captures) that many sessions in total, so
     `fork()` never allocates or captures on the hot path; it raises when none is free.
+    linear_kernel: "auto" (oneDNN on CPUs where it runs the dtype, else aten), "onednn" or
+    "aten" (F.linear, transformers' kernel: bitwise-comparable with it; for debugging).
     """
     from .loader import load_model
     from .runtime import Options, Runtime, SessionPool
     if max_seq_len < 1:
         raise ValueError(f"max_seq_len must be >= 1, got {max_seq_len}")
-    model = load_model(path, device=device, dtype=dtype)
+    model = load_model(path, device=device, dtype=dtype, linear_kernel=linear_kernel)
     opts = Options(max_seq_len=max_seq_len, prefill_chunk=prefill_chunk,
                    checkpoint_every=checkpoint_every, max_checkpoints=max_checkpoints,
                    cuda_graphs=cuda_graphs, seed=seed)

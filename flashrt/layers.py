@@ -15,6 +15,66 @@ import torch.nn.functional as F
 from torch import nn
 
 
+LINEAR_KERNELS = ("aten", "onednn")
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, kernel: str = "aten"):
+    """x @ w.T (+ b). kernel "onednn": oneDNN's inner product on the unchanged (out, in) weight,
+    the op torch.compile's CPU backend emits; "aten": F.linear (MKL GEMM / GEMV)."""
+    if kernel == "onednn":
+        y = torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+        return y if b is None else y + b
+    return F.linear(x, w, b)
+
+
+class Linear(nn.Linear):
+    """nn.Linear (same parameters, same checkpoint names) whose matmul kernel is chosen at load
+    (`select_linear_kernel`); every model file uses it for its projections."""
+    kernel = "aten"
+
+    def forward(self, x):
+        return linear(x, self.weight, self.bias, self.kernel)
+
+
+def select_linear_kernel(net: nn.Module, device: torch.device, dtype: torch.dtype, want: str = "auto") -> str:
+    """Set the kernel of every Linear in `net` (and `net.linear_kernel`, for heads); returns it.
+
+    auto: oneDNN on CPU when it runs this dtype here and agrees with F.linear on a probe
+    (measured on a 2-core AVX2 EPYC, fp32: one-token steps 2-3x faster than MKL's GEMV for
+    (out, in) weights, 512-token prefill GEMMs 10-20% faster); aten elsewhere (CUDA, or bf16
+    on CPUs without native bf16, where oneDNN has no inner product)."""
+    if want not in ("auto",) + LINEAR_KERNELS:
+        raise ValueError(f"linear kernel {want!r}: expected auto, aten or onednn")
+    kernel = want
+    if want != "aten":
+        why = _onednn_unusable(device, dtype)
+        if why and want == "onednn":
+            raise ValueError(f"linear kernel 'onednn' unavailable: {why}")
+        kernel = "aten" if why else "onednn"
+    for m in net.modules():
+        if isinstance(m, Linear):
+            m.kernel = kernel
+    net.linear_kernel = kernel
+    return kernel
+
+
+def _onednn_unusable(device: torch.device, dtype: torch.dtype) -> str | None:
+    if device.type != "cpu":
+        return f"device {device.type} (oneDNN linear is a CPU path)"
+    if not torch.backends.mkldnn.is_available():
+        return "this torch build has no oneDNN (mkldnn)"
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(3, 64, generator=g).to(dtype), torch.randn(48, 64, generator=g).to(dtype)
+    try:
+        y = linear(x, w, kernel="onednn")
+    except RuntimeError as e:
+        return f"oneDNN refused a {dtype} inner product on this CPU ({str(e).splitlines()[0][:80]})"
+    ref = F.linear(x.float(), w.float())
+    if not torch.allclose(y.float(), ref, rtol=2e-2, atol=2e-2 * float(ref.abs().max())):
+        return "oneDNN probe disagreed with F.linear"
+    return None
+
+
 @dataclass
 class StepCtx:
     """Host-planned description of one step over T new tokens."""
@@ -132,10 +192,10 @@ class QKNormAttention(nn.Module):
                  out_name="o_proj", norm_names=("q_norm", "k_norm")):
         super().__init__()
         self.h, self.kv, self.d = heads, kv_heads, head_dim
-        self.q_proj = nn.Linear(hidden, heads * head_dim, bias=False)
-        self.k_proj = nn.Linear(hidden, kv_heads * head_dim, bias=False)
-        self.v_proj = nn.Linear(hidden, kv_heads * head_dim, bias=False)
-        setattr(self, out_name, nn.Linear(heads * head_dim, hidden, bias=False))
+        self.q_proj = Linear(hidden, heads * head_dim, bias=False)
+        self.k_proj = Linear(hidden, kv_heads * head_dim, bias=False)
+        self.v_proj = Linear(hidden, kv_heads * head_dim, bias=False)
+        setattr(self, out_name, Linear(heads * head_dim, hidden, bias=False))
         for n in norm_names:
             setattr(self, n, RMSNorm(head_dim, eps))
         self.names = (out_name,) + tuple(norm_names)
@@ -157,7 +217,7 @@ class SwiGLU(nn.Module):
         super().__init__()
         self.names = names
         for n, (i, o) in zip(names, ((dim, hidden), (dim, hidden), (hidden, dim))):
-            setattr(self, n, nn.Linear(i, o, bias=False))
+            setattr(self, n, Linear(i, o, bias=False))
 
     def forward(self, x):
         gate, up, down = (getattr(self, n) for n in self.names)

@@ -15,6 +15,7 @@ from safetensors import safe_open
 
 from . import native
 from .errors import ConfigError, WeightError
+from .layers import select_linear_kernel
 from .tokenizer import load_tokenizer
 
 _DEVICE_DTYPES = {"cpu": (torch.float32, torch.bfloat16),
@@ -36,6 +37,7 @@ class LoadedModel:
     eos_ids: tuple
     fingerprint: dict          # model_type, config, weights, dtype (the layout is the arena's)
     info: dict                 # flashrt_checkpoint.json when present (random-weight marker)
+    linear_kernel: str = "aten"   # matmul path of every projection (layers.select_linear_kernel)
 
     @property
     def random_weights(self) -> bool:
@@ -79,7 +81,7 @@ def _eos_ids(path: Path, cfg: dict) -> tuple:
     return tuple(eos) if isinstance(eos, list) else (eos,)
 
 
-def load_model(path, device="cpu", dtype=None) -> LoadedModel:
+def load_model(path, device="cpu", dtype=None, linear_kernel: str = "auto") -> LoadedModel:
     from flashrt.models import model_module   # late: models import flashrt pieces
     path = Path(path)
     if not (path / "config.json").exists():
@@ -96,13 +98,15 @@ def load_model(path, device="cpu", dtype=None) -> LoadedModel:
     digest = _assign_weights(net, _weight_files(path), device, dtype)
     net.materialize_buffers(device)
     net.eval()
+    kernel = select_linear_kernel(net, device, dtype, linear_kernel)
     info_file = path / "flashrt_checkpoint.json"
     info = json.loads(info_file.read_text()) if info_file.exists() else {}
     cfg_digest = hashlib.sha256(json.dumps(asdict(config), sort_keys=True, default=str).encode())
     fingerprint = {"model_type": net.model_type, "config": cfg_digest.hexdigest()[:16],
                    "weights": digest, "dtype": str(dtype).replace("torch.", "")}
     return LoadedModel(path, net, net.model_type, hf, dtype, device,
-                       load_tokenizer(path, config.vocab_size), _eos_ids(path, hf), fingerprint, info)
+                       load_tokenizer(path, config.vocab_size), _eos_ids(path, hf), fingerprint, info,
+                       kernel)
 
 
 def _assign_weights(net, files, device, dtype) -> str:

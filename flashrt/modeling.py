@@ -7,17 +7,17 @@ in place, so the same forward runs eagerly on CPU and inside a captured CUDA gra
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .arena import BufferSpec
 from .errors import ConfigError
-from .layers import StepCtx
+from .layers import StepCtx, linear
 
 
 class CausalLM(nn.Module):
     """Base class. Subclasses set `model_type`, `config`, and implement the three hooks."""
     model_type: str = ""
+    linear_kernel: str = "aten"     # heads; set with the projections by select_linear_kernel
 
     def state_specs(self, max_seq_len: int, dtype: torch.dtype) -> list[BufferSpec]:
         """Named buffers this model reads and writes (KV, recurrent, conv, mtp)."""
@@ -37,7 +37,7 @@ class CausalLM(nn.Module):
     def head(self, x: torch.Tensor) -> torch.Tensor:
         """Logits from final hidden states (T, hidden) -> (T, vocab), tied or untied."""
         w = self.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
-        return F.linear(x, w)
+        return linear(x, w, kernel=self.linear_kernel)
 
     # -- shared --------------------------------------------------------------------------
     @property

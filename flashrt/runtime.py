@@ -66,7 +66,7 @@ class Runtime:
         # ~30 us of os.urandom on the hot path); provenance is fixed for the session's life
         self._uid, self._serial = uuid.uuid4().hex[:16], itertools.count()
         self._provenance = {"device": str(model.device), "torch": torch.__version__,
-                            "flashrt": __version__, "pid": os.getpid()}
+                            "flashrt": __version__, "pid": os.getpid(), "linear": model.linear_kernel}
         self._pos = 0
         self._checkpoints: list[Capsule] = []     # fixed state at multiples of checkpoint_every
         # (capsule, generation) pairs whose per-token rows equal the arena's rows below their

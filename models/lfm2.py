@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from flashrt.arena import BufferSpec
-from flashrt.layers import QKNormAttention, RMSNorm, Rotary, StepCtx, SwiGLU
+from flashrt.layers import Linear, QKNormAttention, RMSNorm, Rotary, StepCtx, SwiGLU
 from flashrt.modeling import CausalLM, check, require
 
 ATTN, CONV = "full_attention", "conv"
@@ -118,8 +118,8 @@ class ShortConv(nn.Module):
         h, L = c.hidden_size, c.conv_L_cache
         self.h, self.L = h, L
         self.conv = nn.Conv1d(h, h, L, groups=h, bias=c.conv_bias)     # weight: (h, 1, L)
-        self.in_proj = nn.Linear(h, 3 * h, bias=c.conv_bias)
-        self.out_proj = nn.Linear(h, h, bias=c.conv_bias)
+        self.in_proj = Linear(h, 3 * h, bias=c.conv_bias)
+        self.out_proj = Linear(h, h, bias=c.conv_bias)
         self.state_name = f"layers.{idx}.conv.state"
 
     def forward(self, x, ctx: StepCtx, state):
@@ -173,7 +173,7 @@ class Model(CausalLM):
         self.embedding_norm = RMSNorm(c.hidden_size, c.norm_eps)    # the final norm, despite the name
         self.rotary = Rotary(c.head_dim, c.rope_theta)
         if not c.tie_word_embeddings:
-            self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
+            self.lm_head = Linear(c.hidden_size, c.vocab_size, bias=False)
 
     def state_specs(self, max_seq_len, dtype):
         c, specs = self.config, []

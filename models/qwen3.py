@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from flashrt.arena import BufferSpec
-from flashrt.layers import QKNormAttention, RMSNorm, Rotary, SwiGLU
+from flashrt.layers import Linear, QKNormAttention, RMSNorm, Rotary, SwiGLU
 from flashrt.modeling import CausalLM, check, require
 
 
@@ -86,7 +86,7 @@ class Model(CausalLM):
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.rotary = Rotary(c.head_dim, c.rope_theta)
         if not c.tie_word_embeddings:
-            self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
+            self.lm_head = Linear(c.hidden_size, c.vocab_size, bias=False)
 
     def state_specs(self, max_seq_len, dtype):
         c = self.config

@@ -22,7 +22,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from flashrt.arena import BufferSpec
-from flashrt.layers import RMSNorm, Rotary, StepCtx, SwiGLU, apply_rotary, attend_cached
+from flashrt.layers import (Linear, RMSNorm, Rotary, StepCtx, SwiGLU, apply_rotary,
+                            attend_cached, linear)
 from flashrt.linear_attn import (causal_conv, chunk_gated_delta_rule, fast_kernels,
                                  recurrent_gated_delta_rule)
 from flashrt.modeling import CausalLM, check, require
@@ -111,10 +112,10 @@ class Attention(nn.Module):
         super().__init__()
         self.h, self.kv, self.d, self.gated = (c.num_attention_heads, c.num_key_value_heads,
                                                c.head_dim, c.attn_output_gate)
-        self.q_proj = nn.Linear(c.hidden_size, self.h * self.d * (2 if self.gated else 1), bias=False)
-        self.k_proj = nn.Linear(c.hidden_size, self.kv * self.d, bias=False)
-        self.v_proj = nn.Linear(c.hidden_size, self.kv * self.d, bias=False)
-        self.o_proj = nn.Linear(self.h * self.d, c.hidden_size, bias=False)
+        self.q_proj = Linear(c.hidden_size, self.h * self.d * (2 if self.gated else 1), bias=False)
+        self.k_proj = Linear(c.hidden_size, self.kv * self.d, bias=False)
+        self.v_proj = Linear(c.hidden_size, self.kv * self.d, bias=False)
+        self.o_proj = Linear(self.h * self.d, c.hidden_size, bias=False)
         self.q_norm = RMSNorm(self.d, c.rms_norm_eps, zero_centred=True)
         self.k_norm = RMSNorm(self.d, c.rms_norm_eps, zero_centred=True)
         self.k_name, self.v_name = f"{prefix}.k", f"{prefix}.v"
@@ -144,15 +145,15 @@ class GatedDeltaNet(nn.Module):
         self.dk, self.dv = c.linear_key_head_dim, c.linear_value_head_dim
         self.key_dim, self.value_dim = self.hk * self.dk, self.hv * self.dv
         self.conv_dim, K = 2 * self.key_dim + self.value_dim, c.linear_conv_kernel_dim
-        self.in_proj_qkv = nn.Linear(c.hidden_size, self.conv_dim, bias=False)
-        self.in_proj_z = nn.Linear(c.hidden_size, self.value_dim, bias=False)
-        self.in_proj_b = nn.Linear(c.hidden_size, self.hv, bias=False)
-        self.in_proj_a = nn.Linear(c.hidden_size, self.hv, bias=False)
+        self.in_proj_qkv = Linear(c.hidden_size, self.conv_dim, bias=False)
+        self.in_proj_z = Linear(c.hidden_size, self.value_dim, bias=False)
+        self.in_proj_b = Linear(c.hidden_size, self.hv, bias=False)
+        self.in_proj_a = Linear(c.hidden_size, self.hv, bias=False)
         self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, K, groups=self.conv_dim, bias=False)
         self.A_log = nn.Parameter(torch.empty(self.hv))          # fp32 (Model.fp32_params)
         self.dt_bias = nn.Parameter(torch.empty(self.hv))        # fp32
         self.norm = RMSNorm(self.dv, c.rms_norm_eps)             # gated, not zero-centred
-        self.out_proj = nn.Linear(self.value_dim, c.hidden_size, bias=False)
+        self.out_proj = Linear(self.value_dim, c.hidden_size, bias=False)
         self.conv_name, self.rec_name = f"layers.{idx}.gdn.conv", f"layers.{idx}.gdn.recurrent"
         self.fast_conv = self.fast_rule = False                  # CUDA kernels, set by rebuild()
 
@@ -205,7 +206,7 @@ class MTP(nn.Module):
     def __init__(self, c: Qwen3_5Config):
         super().__init__()
         h, eps = c.hidden_size, c.rms_norm_eps
-        self.fc = nn.Linear(2 * h, h, bias=False)
+        self.fc = Linear(2 * h, h, bias=False)
         self.pre_fc_norm_embedding = RMSNorm(h, eps, zero_centred=True)
         self.pre_fc_norm_hidden = RMSNorm(h, eps, zero_centred=True)
         self.layers = nn.ModuleList([Block(c, "full_attention", 0, kv_prefix="mtp.attn")])
@@ -225,7 +226,7 @@ class Model(CausalLM):
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, zero_centred=True)
         self.rotary = Rotary(c.rot_dim, c.rope_theta)
         if not c.tie_word_embeddings:
-            self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
+            self.lm_head = Linear(c.hidden_size, c.vocab_size, bias=False)
         self.has_mtp = c.mtp_num_hidden_layers > 0
         if self.has_mtp:
             self.mtp = MTP(c)
@@ -259,7 +260,7 @@ class Model(CausalLM):
 
     def logits(self, x):
         head = self.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
-        return F.linear(x, head)                                 # (T, vocab)
+        return linear(x, head, kernel=self.linear_kernel)        # (T, vocab)
 
     def forward(self, ids, ctx, state, all_logits=False):
         return self.logits(self.hidden_states(ids, ctx, state, all_logits))

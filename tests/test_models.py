@@ -14,10 +14,12 @@ def _ids(n, vocab=512, seed=0):
     return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
+@pytest.mark.parametrize("kernel", ["auto", "aten"])
 @pytest.mark.parametrize("arch", ARCHS)
-def test_parity_teacher_forced(arch, ckpt, runtime):
-    """Prompt (one prefill) + 32 single-token decodes vs transformers on the same 52 tokens."""
-    rt = runtime(arch, prefill_chunk=64)
+def test_parity_teacher_forced(arch, kernel, ckpt, runtime):
+    """Prompt (one prefill) + 32 single-token decodes vs transformers on the same 52 tokens,
+    with the projections on the load-time choice (oneDNN on CPU) and on F.linear."""
+    rt = runtime(arch, prefill_chunk=64, linear_kernel=kernel)
     ids = _ids(PROMPT + 32)
     ours = [rt.prefill(ids[:PROMPT], all_logits=True)]
     ours += [rt.decode(t)[None] for t in ids[PROMPT:]]
@@ -200,3 +202,21 @@ def test_bf16_parity(arch, ckpt, runtime):
     ref = hf_logits(ref_model, ids[:PROMPT] + toks)
     bad, _ = margin_check(ref[PROMPT - 1: PROMPT - 1 + 32], toks, margin=2 * BF16_REL[arch] * scale)
     assert not bad, f"{arch} bf16: greedy differs where the reference is decisive: {bad}"
+
+
+def test_linear_kernel_selection(runtime):
+    from flashrt.layers import Linear
+    rt = runtime("qwen3", linear_kernel="aten")
+    kernels = {m.kernel for m in rt.net.modules() if isinstance(m, Linear)}
+    assert kernels == {"aten"} and rt.net.linear_kernel == "aten" == rt.model.linear_kernel
+    assert rt.snapshot().meta.provenance["linear"] == "aten"
+    auto = runtime("qwen3")
+    want = "onednn" if torch.backends.mkldnn.is_available() else "aten"
+    assert {m.kernel for m in auto.net.modules() if isinstance(m, Linear)} == {want}
+    with pytest.raises(ValueError, match="linear kernel 'fast'"):
+        runtime("qwen3", linear_kernel="fast")
+    # a capsule records the kernel as provenance only: it restores across kernels
+    ids = _ids(20, seed=5)
+    rt.prefill(ids)
+    auto.restore(rt.snapshot())
+    assert auto.tokens == ids
