@@ -179,17 +179,20 @@ class Case:
     fn: Callable
     setup: Callable | None = None
     post: Callable | None = None
+    inner: int = 1        # calls per sample (sample = their mean): sub-millisecond cases
 
 
-def time_once(fn: Callable, device, setup: Callable | None = None):
-    """(seconds, result) of one call, synchronised on CUDA before and after."""
+def time_once(fn: Callable, device, setup: Callable | None = None, inner: int = 1):
+    """(seconds per call, last result) of `inner` back-to-back calls, synchronised on CUDA
+    before and after."""
     if setup is not None:
         setup()
     sync(device)
     t0 = time.perf_counter()
-    out = fn()
+    for _ in range(inner):
+        out = fn()
     sync(device)
-    return time.perf_counter() - t0, out
+    return (time.perf_counter() - t0) / inner, out
 
 
 def measure(cases: dict, repeats: int, warmup: int, device, desc: str = "") -> dict:
@@ -199,7 +202,7 @@ def measure(cases: dict, repeats: int, warmup: int, device, desc: str = "") -> d
     rounds = [(False, i) for i in range(warmup)] + [(True, i) for i in range(repeats)]
     for timed, i in progress(rounds, desc=desc):
         for name, c in cases.items():
-            dt, out = time_once(c.fn, device, c.setup)
+            dt, out = time_once(c.fn, device, c.setup, c.inner)
             if timed:
                 stats[name].samples.append(dt)
                 if i == repeats - 1 and c.post is not None:

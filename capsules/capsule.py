@@ -175,9 +175,10 @@ class Capsule:
         save_capsule(self, path)
 
     @staticmethod
-    def load(path, device="cpu") -> "Capsule":
+    def load(path, device="cpu", into: "Capsule | None" = None) -> "Capsule":
+        """Read a capsule file (checksum verified). into: reuse that host capsule's buffer."""
         from .format import load_capsule
-        return load_capsule(path, device)
+        return load_capsule(path, device, into)
 
     # ---- single use ---------------------------------------------------------------------
     def claim(self) -> None:

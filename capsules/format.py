@@ -18,8 +18,8 @@ import struct
 
 import torch
 
-from flashrt.errors import CapsuleCorruptError
-from flashrt.native import xxh64
+from flashrt.errors import CapsuleCorruptError, CapsuleMismatchError
+from flashrt.native import read_hashed, xxh64
 
 from .capsule import Capsule, CapsuleMeta, Entry
 
@@ -54,6 +54,14 @@ def _header(entries, meta: CapsuleMeta, tokens: list, checksum: str) -> bytes:
     b = json.dumps(hdr, separators=(",", ":"), ensure_ascii=True).encode()
     b += b" " * (-len(b) % 8)
     return struct.pack("<Q", len(b)) + b
+
+
+def _blank(head: bytes, checksum: str) -> bytes:
+    """The header as hashed (checksum field ""), from the canonical one without re-serialising:
+    `"checksum":"` occurs once unescaped (inside the metadata strings quotes are escaped)."""
+    body = head.rstrip(b" ").replace(f'"checksum":"{checksum}"'.encode(), b'"checksum":""', 1)
+    body += b" " * (-len(body) % 8)
+    return struct.pack("<Q", len(body)) + body
 
 
 def _tokens(cap: Capsule) -> list:
@@ -162,19 +170,28 @@ def _parse(path, head: bytes, data_bytes: int):
     return entries, meta, tokens, md["checksum"]
 
 
-def load_capsule(path, device="cpu") -> Capsule:
-    """Read a capsule file; any damage raises CapsuleCorruptError naming the file and the problem."""
+def load_capsule(path, device="cpu", into: Capsule | None = None) -> Capsule:
+    """Read a capsule file; any damage raises CapsuleCorruptError naming the file and the problem.
+
+    into: a CPU capsule whose buffer is reused (no fresh allocation, like snapshot(into=)); it is
+    returned holding the file's capsule. If loading fails it holds no capsule (no entries,
+    an empty fingerprint) so it can never be restored half-written."""
+    if into is not None and into.device.type != "cpu":
+        raise ValueError(f"load(into=): the target capsule must be in host memory, not {into.device}")
     with open(path, "rb", buffering=0) as f:       # a missing file stays FileNotFoundError
         try:
-            cap = _load(f, path)
+            cap = _load(f, path, into)
         except (struct.error, ValueError, KeyError, TypeError, IndexError, RecursionError) as e:
             # json and Unicode decode errors are ValueErrors
             raise CapsuleCorruptError(f"{path}: malformed capsule header "
                                       f"({type(e).__name__}: {e})") from e
+        finally:
+            if into is not None and (into.meta.extra or {}).get("_loading"):
+                into.entries, into.meta = (), CapsuleMeta(0, {}, {})
     return cap.to(device)
 
 
-def _load(f, path) -> Capsule:
+def _load(f, path, into: Capsule | None = None) -> Capsule:
     size = os.fstat(f.fileno()).st_size
     pre = bytearray(8)
     _read_exact(f, memoryview(pre), path, "the header length")
@@ -189,6 +206,7 @@ def _load(f, path) -> Capsule:
     # values (padding, spacing, key order, number spelling), so the checksum covers every byte.
     if _header(entries, meta, tokens, stored) != bytes(pre + head):
         raise CapsuleCorruptError(f"{path}: header is not in canonical form (damaged)")
+    blank = _blank(bytes(head), stored)
     # Offsets are trusted only after the checksum; bound the buffer so a damaged offset cannot
     # request a huge allocation, and refuse overlaps so no entry's bytes land on another's.
     spans = sorted((e.offset, e.offset + e.nbytes) for e in entries)
@@ -196,18 +214,37 @@ def _load(f, path) -> Capsule:
     if cap_size > size + _SLACK * (len(entries) + 1) or any(
             b0 > a1 for (_, b0), (a1, _) in zip(spans, spans[1:])):
         raise CapsuleCorruptError(f"{path}: entry offsets overlap or exceed the file's contents")
-    data = torch.empty(cap_size, dtype=torch.uint8)
+    if into is not None:
+        if into.data.numel() < cap_size:
+            raise CapsuleMismatchError(f"load(into=): capsule buffer holds {into.data.numel()} B, "
+                                       f"{path} needs {cap_size} B")
+        into.entries, into.meta = (), CapsuleMeta(0, {}, {}, extra={"_loading": True})
+        data = into.data
+    else:
+        data = torch.empty(cap_size, dtype=torch.uint8)
     buf, prev = memoryview(data.numpy()), 0
     for a, b in spans + [(cap_size, cap_size)]:   # zero the alignment gaps: bytes match the snapshot
-        buf[prev:a] = bytes(a - prev)
+        if a > prev:
+            buf[prev:a] = bytes(a - prev)
         prev = b
-    for e in entries:      # file order; each entry's bytes land directly at its capsule offset
-        _read_exact(f, buf[e.offset: e.offset + e.nbytes], path, f"entry {e.name!r}")
+    # file order; each entry's bytes land directly at its capsule offset and are hashed on the
+    # way in (chained: each entry's digest seeds the next, as _checksum computes it)
+    h = xxh64(blank, 0)
+    for e in entries:
+        h = read_hashed(f, data[e.offset: e.offset + e.nbytes], h)
+        if h is None:
+            raise CapsuleCorruptError(f"{path}: truncated while reading entry {e.name!r}")
     if f.read(1):
         raise CapsuleCorruptError(f"{path}: trailing bytes after the last entry")
-    if _checksum(_header(entries, meta, tokens, ""), data, entries) != stored:
+    if f"{h:016x}" != stored:
         raise CapsuleCorruptError(f"{path}: checksum mismatch (stored {stored})")
-    cap = Capsule(data, entries, meta)
+    if into is not None:
+        cap = into
+        cap.entries, cap.meta = entries, meta
+        cap._consumed, cap.parent_capsule = False, None
+        cap.generation += 1
+    else:
+        cap = Capsule(data, entries, meta)
     if _tokens(cap) != tokens:
         raise CapsuleCorruptError(f"{path}: token history in metadata disagrees with meta.tokens")
     return cap

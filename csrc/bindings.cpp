@@ -26,6 +26,10 @@ PYBIND11_MODULE(_C, m) {
 #endif
   m.def("xxh64", &flashrt::launch::xxh64, py::arg("ptr"), py::arg("nbytes"), py::arg("seed") = 0,
         "XXH64 of nbytes bytes at host address ptr, as an unsigned 64-bit int.");
+  m.def("read_hashed", &flashrt::launch::read_hashed, py::arg("fd"), py::arg("ptr"), py::arg("nbytes"),
+        py::arg("seed") = 0,
+        "Read exactly nbytes from fd into host address ptr, hashing as it goes; the XXH64 of "
+        "those bytes, or None when the file ends first. OSError on a read error.");
   m.def("has_cuda", [] {
 #ifdef FLASHRT_WITH_CUDA
     return true;

@@ -25,4 +25,23 @@ void segcopy_cuda(const int64_t* src, const int64_t* dst, const int64_t* nbytes,
 // Standard XXH64 (https://github.com/Cyan4973/xxHash/blob/dev/doc/xxhash_spec.md).
 uint64_t xxh64(const void* data, std::size_t len, uint64_t seed);
 
+// XXH64 fed in pieces; digest() equals xxh64() of the pieces concatenated.
+class Xxh64Stream {
+ public:
+  explicit Xxh64Stream(uint64_t seed);
+  void update(const void* data, std::size_t len);
+  uint64_t digest() const;
+
+ private:
+  uint64_t v1_, v2_, v3_, v4_, seed_, total_ = 0;
+  unsigned char buf_[32];
+  std::size_t buffered_ = 0;
+};
+
+// Reads exactly `len` bytes from file descriptor `fd` (at its current
+// offset) into `dst`, in chunks hashed while still in cache; returns the
+// XXH64 of those bytes with `seed`, or sets *short_read and returns 0 when
+// the file ends first. Throws std::system_error on a read error.
+uint64_t read_hashed(int fd, void* dst, std::size_t len, uint64_t seed, bool* short_read);
+
 }  // namespace flashrt

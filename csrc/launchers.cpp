@@ -1,6 +1,8 @@
 #include "launchers.h"
 
+#include <cerrno>
 #include <stdexcept>
+#include <system_error>
 #include <string>
 
 #include "flashrt.h"
@@ -52,6 +54,32 @@ uint64_t xxh64(std::uintptr_t ptr, int64_t nbytes, uint64_t seed) {
   if (nbytes > 0 && ptr == 0) throw std::invalid_argument("null pointer");
   py::gil_scoped_release nogil;
   return flashrt::xxh64(reinterpret_cast<const void*>(ptr), static_cast<std::size_t>(nbytes), seed);
+}
+
+// Returns the digest, or None when the file ended before nbytes were read.
+py::object read_hashed(int fd, std::uintptr_t ptr, int64_t nbytes, uint64_t seed) {
+  if (fd < 0) throw std::invalid_argument("read_hashed: bad file descriptor");
+  if (nbytes < 0) throw std::invalid_argument("read_hashed: nbytes must be >= 0");
+  if (nbytes > 0 && ptr == 0) throw std::invalid_argument("read_hashed: null pointer");
+  bool short_read = false;
+  uint64_t h = 0;
+  int err = 0;
+  {
+    py::gil_scoped_release nogil;
+    try {
+      h = flashrt::read_hashed(fd, reinterpret_cast<void*>(ptr), static_cast<std::size_t>(nbytes),
+                               seed, &short_read);
+    } catch (const std::system_error& e) {
+      err = e.code().value();
+    }
+  }
+  if (err) {  // with the GIL again: surface as OSError(errno)
+    errno = err;
+    PyErr_SetFromErrno(PyExc_OSError);
+    throw py::error_already_set();
+  }
+  if (short_read) return py::none();
+  return py::int_(h);
 }
 
 }  // namespace launch

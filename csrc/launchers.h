@@ -21,6 +21,7 @@ void copy_segments_cuda(const Int64Array& src, const Int64Array& dst, const Int6
                         std::uintptr_t stream);
 #endif
 uint64_t xxh64(std::uintptr_t ptr, int64_t nbytes, uint64_t seed);
+pybind11::object read_hashed(int fd, std::uintptr_t ptr, int64_t nbytes, uint64_t seed);
 
 }  // namespace launch
 }  // namespace flashrt

@@ -80,4 +80,63 @@ uint64_t xxh64(const void* data, std::size_t len, uint64_t seed) {
   return h;
 }
 
+// Streaming form: the same digest as xxh64() over the concatenated input,
+// whatever the split. Lets a reader hash each chunk while it is still in cache.
+Xxh64Stream::Xxh64Stream(uint64_t seed)
+    : v1_(seed + P1 + P2), v2_(seed + P2), v3_(seed), v4_(seed - P1), seed_(seed) {}
+
+void Xxh64Stream::update(const void* data, std::size_t len) {
+  const auto* p = static_cast<const unsigned char*>(data);
+  const unsigned char* const end = p + len;
+  total_ += len;
+  if (buffered_ + len < 32) {
+    std::memcpy(buf_ + buffered_, p, len);
+    buffered_ += len;
+    return;
+  }
+  if (buffered_) {  // complete the pending stripe
+    const std::size_t fill = 32 - buffered_;
+    std::memcpy(buf_ + buffered_, p, fill);
+    p += fill;
+    v1_ = lane_round(v1_, read64(buf_));
+    v2_ = lane_round(v2_, read64(buf_ + 8));
+    v3_ = lane_round(v3_, read64(buf_ + 16));
+    v4_ = lane_round(v4_, read64(buf_ + 24));
+    buffered_ = 0;
+  }
+  for (; end - p >= 32; p += 32) {
+    v1_ = lane_round(v1_, read64(p));
+    v2_ = lane_round(v2_, read64(p + 8));
+    v3_ = lane_round(v3_, read64(p + 16));
+    v4_ = lane_round(v4_, read64(p + 24));
+  }
+  buffered_ = static_cast<std::size_t>(end - p);
+  std::memcpy(buf_, p, buffered_);
+}
+
+uint64_t Xxh64Stream::digest() const {
+  uint64_t h;
+  if (total_ >= 32) {
+    h = rotl(v1_, 1) + rotl(v2_, 7) + rotl(v3_, 12) + rotl(v4_, 18);
+    h = merge(merge(merge(merge(h, v1_), v2_), v3_), v4_);
+  } else {
+    h = seed_ + P5;
+  }
+  h += total_;
+  const unsigned char* p = buf_;
+  const unsigned char* const end = buf_ + buffered_;
+  for (; end - p >= 8; p += 8) h = rotl(h ^ lane_round(0, read64(p)), 27) * P1 + P4;
+  if (end - p >= 4) {
+    h = rotl(h ^ (read32(p) * P1), 23) * P2 + P3;
+    p += 4;
+  }
+  for (; p < end; ++p) h = rotl(h ^ (*p * P5), 11) * P1;
+  h ^= h >> 33;
+  h *= P2;
+  h ^= h >> 29;
+  h *= P3;
+  h ^= h >> 32;
+  return h;
+}
+
 }  // namespace flashrt

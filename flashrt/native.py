@@ -9,6 +9,9 @@ Two services the runtime needs on its hot path:
   passed in the kernel parameters, up to 1024 segments per launch).
 * ``xxh64``: the standard XXH64 checksum, identical with or without the
   extension (the fallback is the pure-Python ``_xxh64_py``).
+* ``read_hashed``: read bytes from a file straight into a tensor and return
+  their XXH64, hashing each 1 MiB chunk while it is still in cache (capsule
+  load walks the payload once instead of twice).
 
 Without the extension every function still works through torch copies and
 pure Python, after a single warning naming the import error.
@@ -33,7 +36,8 @@ except ImportError as _e:  # not built, or built for another Python/platform
 HAVE_EXT: bool = _C is not None
 HAVE_CUDA_EXT: bool = HAVE_EXT and bool(_C.has_cuda())
 
-__all__ = ["HAVE_EXT", "HAVE_CUDA_EXT", "ext_status", "SegmentPlan", "copy_segments", "xxh64"]
+__all__ = ["HAVE_EXT", "HAVE_CUDA_EXT", "ext_status", "SegmentPlan", "copy_segments", "xxh64",
+           "read_hashed"]
 
 Pair = Tuple[torch.Tensor, torch.Tensor]
 
@@ -240,3 +244,22 @@ def xxh64(data, seed: int = 0) -> int:
         return _C.xxh64(arr.ctypes.data if arr.size else 0, arr.size, seed)
     _warn_fallback()
     return _xxh64_py(mv, seed)
+
+
+def read_hashed(f, dst: torch.Tensor, seed: int = 0) -> int | None:
+    """Read exactly dst.nbytes from the unbuffered binary file `f` (at its position) into the
+    contiguous CPU tensor `dst`; return the XXH64 of those bytes, or None when the file ends
+    first. Equals ``xxh64(dst, seed)`` after a plain read."""
+    if dst.device.type != "cpu" or not dst.is_contiguous():
+        raise ValueError("read_hashed: dst must be a contiguous CPU tensor")
+    n = dst.numel() * dst.element_size()
+    seed &= _M64
+    if HAVE_EXT:
+        return _C.read_hashed(f.fileno(), dst.data_ptr() if n else 0, n, seed)
+    mv = memoryview(dst.reshape(-1).view(torch.uint8).numpy())
+    while mv.nbytes:
+        got = f.readinto(mv)
+        if not got:
+            return None
+        mv = mv[got:]
+    return xxh64(dst, seed)

@@ -236,3 +236,42 @@ def test_real_runtime_save_load_restore(runtime, tmp_path):
     rt.restore(loaded)
     assert torch.equal(_capsule_state(rt), want)
     assert rt.generate(max_new_tokens=4) == want_next
+
+
+def test_load_into_preallocated(saved, tmp_path):
+    """load(into=) reuses the buffer and equals a fresh load; a refused load leaves the target
+    holding no capsule, never a half-written one."""
+    cap, path = saved
+    target = Capsule(torch.full((cap.data.numel() + 256,), 7, dtype=torch.uint8), [],
+                     CapsuleMeta(0, {}, {}))
+    ptr = target.data.data_ptr()
+    got = Capsule.load(path, into=target)
+    assert got is target and target.data.data_ptr() == ptr
+    assert_same(cap, target)
+    assert torch.equal(target.data[: cap.data.numel()], cap.data)    # gaps zeroed as well
+    small = Capsule(torch.empty(cap.data.numel() // 2, dtype=torch.uint8), [], CapsuleMeta(0, {}, {}))
+    with pytest.raises(fmt.CapsuleMismatchError, match="needs"):
+        Capsule.load(path, into=small)
+    raw = bytearray(path.read_bytes())
+    raw[-3] ^= 0x40                                                  # payload damage
+    bad = tmp_path / "bad.capsule"
+    bad.write_bytes(bytes(raw))
+    with pytest.raises(CapsuleCorruptError, match="checksum"):
+        Capsule.load(bad, into=target)
+    assert target.entries == () and target.meta.fingerprint == {}
+    with pytest.raises(CapsuleCorruptError, match="truncated"):
+        (tmp_path / "short.capsule").write_bytes(path.read_bytes()[:-9])
+        Capsule.load(tmp_path / "short.capsule", into=target)
+    assert Capsule.load(path, into=target) is target                 # reusable after a refusal
+    assert_same(cap, target)
+
+
+def test_real_runtime_load_into(runtime, tmp_path):
+    rt = runtime("qwen3")
+    rt.prefill([3, 1, 4, 1, 5, 9, 2, 6])
+    cap = rt.snapshot()
+    cap.save(tmp_path / "rt.capsule")
+    want = rt.generate(max_new_tokens=4)
+    target = rt.empty_capsule()
+    rt.restore(Capsule.load(tmp_path / "rt.capsule", into=target))
+    assert rt.generate(max_new_tokens=4) == want

@@ -250,6 +250,25 @@ def test_xxh64_large_buffer():
     assert native.xxh64(data[:-1], 12345) != want
 
 
+@pytest.mark.parametrize("n", [0, 1, 31, 32, 33, 1 << 20, (1 << 20) + 17, (3 << 20) + 5])
+def test_read_hashed_equals_read_then_hash(backend, tmp_path, n):
+    """Chunked hashing while reading (1 MiB chunks, 32-byte stripes split anywhere) gives the
+    one-shot XXH64; a file that ends early gives None."""
+    data = os.urandom(n + 11)
+    path = tmp_path / "blob"
+    path.write_bytes(data)
+    dst = torch.zeros(n, dtype=torch.uint8)
+    with open(path, "rb", buffering=0) as f:
+        assert f.read(11) == data[:11]                  # reads from the file's position
+        h = native.read_hashed(f, dst, seed=987654321)
+    assert bytes(dst.numpy()) == data[11:]
+    assert h == native._xxh64_py(data[11:], 987654321) if n < 4096 else h == native.xxh64(dst, 987654321)
+    if n:
+        with open(path, "rb", buffering=0) as f:
+            f.read(12)
+            assert native.read_hashed(f, torch.zeros(n, dtype=torch.uint8)) is None
+
+
 def test_xxh64_input_kinds(backend):
     data = os.urandom(4099)
     want = native._xxh64_py(data, 3)
