@@ -143,6 +143,11 @@ def bench_arch(arch, a, tmp, tables, quick_note):
     if cuda:
         host = torch.empty(max_bytes, dtype=torch.uint8, pin_memory=True).zero_()
     cpu_buf = torch.empty(max_bytes, dtype=torch.uint8).zero_()     # disk plain read/write buffer
+    evict = torch.zeros(128 << 20, dtype=torch.uint8, device=dev)     # > any last-level cache
+
+    def flush():
+        evict.add_(1)
+        C.sync(a.device)
 
     mem = C.Table(f"{lab}: device tier ({a.device}, {a.dtype}; {C.fmt_bytes(fixed)} fixed + "
                   f"{C.fmt_bytes(per_tok)}/token)",
@@ -166,14 +171,16 @@ def bench_arch(arch, a, tmp, tables, quick_note):
         # Two groups: fresh allocations (and the frees behind them) disturb caches and the page
         # allocator for whatever runs next, so they are not interleaved with the copies into
         # preallocated memory.
-        # sub-millisecond copies: each sample averages back-to-back calls (>= ~2 ms of plain copy)
+        # sub-millisecond copies: each sample averages back-to-back calls (>= ~2 ms of plain copy).
+        # Every sample starts from the same cache state (flushed): near the last-level cache size
+        # whichever case ran before would otherwise leave its buffers warm for the next.
         probe = C.time_once(lambda: d.copy_(s), a.device, inner=5)[0]
         k = max(1, min(200, int(2e-3 / max(probe, 1e-6))))
         row["calls_per_sample"] = k
         st = C.measure({
-            "plain_copy": C.Case(lambda: d.copy_(s), inner=k),
-            "snapshot_into": C.Case(lambda: rt.snapshot(into=pre), inner=k),
-            "restore": C.Case(lambda: rt.restore(pre), inner=k),
+            "plain_copy": C.Case(lambda: d.copy_(s), setup=flush, inner=k),
+            "snapshot_into": C.Case(lambda: rt.snapshot(into=pre), setup=flush, inner=k),
+            "restore": C.Case(lambda: rt.restore(pre), setup=flush, inner=k),
         }, a.repeats, a.warmup, a.device, desc=f"{arch} {C.fmt_bytes(nb)} device")
         st.update(C.measure({
             "snapshot_fresh": C.Case(lambda: rt.snapshot()),
@@ -260,7 +267,8 @@ def bench_arch(arch, a, tmp, tables, quick_note):
                   f"restored arena bytes == capsule bytes at every size: {exact}", SYNTH_NOTE,
                   "plain copy, snapshot(into) and restore: each sample is the mean of back-to-back "
                   "calls (as many as make ~2 ms of plain copy; 'calls_per_sample' in the JSON), "
-                  "the three cases interleaved round by round"]
+                  "the three cases interleaved round by round, caches flushed (128 MiB written) "
+                  "before every sample"]
     dsk.notes += ["save = checksum + header + write + fsync + atomic rename + directory fsync; "
                   "load(into) = read with the checksum computed chunk by chunk on the way in + "
                   "canonical-header check, into a capsule allocated once (rt.empty_capsule()); "
@@ -281,7 +289,7 @@ def bench_arch(arch, a, tmp, tables, quick_note):
         tables.append(dsk)
     out = {"arch": arch, "size": a.size, "checkpoint": C.short_path(path), "fixed_state_bytes": fixed,
            "per_token_bytes": per_tok, "rows": rows, "all_exact": exact}
-    del rt, pre, src, dst, host, cpu_buf, load_target
+    del rt, pre, src, dst, host, cpu_buf, load_target, evict
     C.free_memory()
     return out
 
