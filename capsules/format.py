@@ -4,9 +4,9 @@
 
 The header is {"__metadata__": {...}, <buffer name>: {dtype, shape, data_offsets}, ...}; the
 metadata keeps what safetensors cannot (capsule offsets, kinds, seq flags, CapsuleMeta) so load
-rebuilds the exact in-memory layout. The checksum chains XXH64 over the header (checksum field
-"") and then every entry's bytes; load also demands the header be byte-for-byte the canonical
-re-serialisation of what it parsed, so no flipped byte anywhere goes unnoticed.
+rebuilds the exact in-memory layout. The checksum chains XXH64 over the header bytes as written
+(checksum value blanked) and then every entry's bytes, so no flipped byte anywhere goes
+unnoticed.
 """
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ def _js(x) -> str:
 
 
 def _header(entries, meta: CapsuleMeta, tokens: list, checksum: str) -> bytes:
-    """The canonical header (length prefix included): save writes it, load compares against it."""
+    """The canonical header (length prefix included), as save writes it."""
     md = {"format": MAGIC, "version": VERSION, "position": str(meta.position),
           "fingerprint": _js(meta.fingerprint), "provenance": _js(meta.provenance),
           "kinds": _js(sorted({e.kind for e in entries})), "tokens": _js(tokens),
@@ -57,7 +57,7 @@ def _header(entries, meta: CapsuleMeta, tokens: list, checksum: str) -> bytes:
 
 
 def _blank(head: bytes, checksum: str) -> bytes:
-    """The header as hashed (checksum field ""), from the canonical one without re-serialising:
+    """The header as hashed (checksum value ""), derived from the bytes read without re-serialising:
     `"checksum":"` occurs once unescaped (inside the metadata strings quotes are escaped)."""
     body = head.rstrip(b" ").replace(f'"checksum":"{checksum}"'.encode(), b'"checksum":""', 1)
     body += b" " * (-len(body) % 8)
@@ -202,10 +202,9 @@ def _load(f, path, into: Capsule | None = None) -> Capsule:
     head = bytearray(n)
     _read_exact(f, memoryview(head), path, "the header")
     entries, meta, tokens, stored = _parse(path, bytes(head), size - 8 - n)
-    # Canonical form: reject every header whose bytes are not what save would write for these
-    # values (padding, spacing, key order, number spelling), so the checksum covers every byte.
-    if _header(entries, meta, tokens, stored) != bytes(pre + head):
-        raise CapsuleCorruptError(f"{path}: header is not in canonical form (damaged)")
+    # The checksum covers the header's own bytes (with the checksum value blanked), so no flipped
+    # byte goes unnoticed without re-serialising the header to a canonical form; the length
+    # prefix is checked by the parse (entries must tile the data region exactly).
     blank = _blank(bytes(head), stored)
     # Offsets are trusted only after the checksum; bound the buffer so a damaged offset cannot
     # request a huge allocation, and refuse overlaps so no entry's bytes land on another's.
