@@ -174,8 +174,9 @@ def load_capsule(path, device="cpu", into: Capsule | None = None) -> Capsule:
     """Read a capsule file; any damage raises CapsuleCorruptError naming the file and the problem.
 
     into: a CPU capsule whose buffer is reused (no fresh allocation, like snapshot(into=)); it is
-    returned holding the file's capsule. If loading fails it holds no capsule (no entries,
-    an empty fingerprint) so it can never be restored half-written."""
+    returned holding the file's capsule. A file refused once its bytes started landing leaves it
+    holding no capsule (no entries, an empty fingerprint), so it is never restored half-written;
+    one refused earlier (header) leaves it untouched."""
     if into is not None and into.device.type != "cpu":
         raise ValueError(f"load(into=): the target capsule must be in host memory, not {into.device}")
     with open(path, "rb", buffering=0) as f:       # a missing file stays FileNotFoundError
@@ -185,9 +186,6 @@ def load_capsule(path, device="cpu", into: Capsule | None = None) -> Capsule:
             # json and Unicode decode errors are ValueErrors
             raise CapsuleCorruptError(f"{path}: malformed capsule header "
                                       f"({type(e).__name__}: {e})") from e
-        finally:
-            if into is not None and (into.meta.extra or {}).get("_loading"):
-                into.entries, into.meta = (), CapsuleMeta(0, {}, {})
     return cap.to(device)
 
 
@@ -217,7 +215,8 @@ def _load(f, path, into: Capsule | None = None) -> Capsule:
         if into.data.numel() < cap_size:
             raise CapsuleMismatchError(f"load(into=): capsule buffer holds {into.data.numel()} B, "
                                        f"{path} needs {cap_size} B")
-        into.entries, into.meta = (), CapsuleMeta(0, {}, {}, extra={"_loading": True})
+        # emptied before any byte lands: a refused load leaves no restorable half-capsule
+        into.entries, into.meta = (), CapsuleMeta(0, {}, {})
         data = into.data
     else:
         data = torch.empty(cap_size, dtype=torch.uint8)

@@ -46,42 +46,10 @@ inline uint64_t merge(uint64_t acc, uint64_t lane) {
 
 }  // namespace
 
-uint64_t xxh64(const void* data, std::size_t len, uint64_t seed) {
-  const auto* p = static_cast<const unsigned char*>(data);
-  const unsigned char* const end = p + len;
-  uint64_t h;
-  if (len >= 32) {
-    // Four independent lanes: the CPU pipelines them, which is where the
-    // algorithm's speed comes from.
-    uint64_t v1 = seed + P1 + P2, v2 = seed + P2, v3 = seed, v4 = seed - P1;
-    for (const unsigned char* limit = end - 32; p <= limit; p += 32) {
-      v1 = lane_round(v1, read64(p));
-      v2 = lane_round(v2, read64(p + 8));
-      v3 = lane_round(v3, read64(p + 16));
-      v4 = lane_round(v4, read64(p + 24));
-    }
-    h = rotl(v1, 1) + rotl(v2, 7) + rotl(v3, 12) + rotl(v4, 18);
-    h = merge(merge(merge(merge(h, v1), v2), v3), v4);
-  } else {
-    h = seed + P5;
-  }
-  h += static_cast<uint64_t>(len);
-  for (; end - p >= 8; p += 8) h = rotl(h ^ lane_round(0, read64(p)), 27) * P1 + P4;
-  if (end - p >= 4) {
-    h = rotl(h ^ (read32(p) * P1), 23) * P2 + P3;
-    p += 4;
-  }
-  for (; p < end; ++p) h = rotl(h ^ (*p * P5), 11) * P1;
-  h ^= h >> 33;
-  h *= P2;
-  h ^= h >> 29;
-  h *= P3;
-  h ^= h >> 32;
-  return h;
-}
-
-// Streaming form: the same digest as xxh64() over the concatenated input,
-// whatever the split. Lets a reader hash each chunk while it is still in cache.
+// Streaming form: the same digest over the concatenated input, whatever the
+// split, so a reader can hash each chunk while it is still in cache. The
+// four lanes of a 32-byte stripe are independent: the CPU pipelines them,
+// which is where the algorithm's speed comes from.
 Xxh64Stream::Xxh64Stream(uint64_t seed)
     : v1_(seed + P1 + P2), v2_(seed + P2), v3_(seed), v4_(seed - P1), seed_(seed) {}
 
@@ -137,6 +105,12 @@ uint64_t Xxh64Stream::digest() const {
   h *= P3;
   h ^= h >> 32;
   return h;
+}
+
+uint64_t xxh64(const void* data, std::size_t len, uint64_t seed) {
+  Xxh64Stream h(seed);
+  h.update(data, len);
+  return h.digest();
 }
 
 }  // namespace flashrt
