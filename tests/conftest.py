@@ -79,3 +79,25 @@ def state_bytes(rt) -> torch.Tensor:
     parts += [a.bytes_of(s.name, rt.position) for s in a.slots
               if s.spec.seq_dim == 0 and s.spec.kind != "io"]
     return torch.cat(parts).clone()
+
+
+def race(n: int, attempt) -> list:
+    """Start attempt(i) for i in range(n) on n threads released together; per thread the string
+    attempt returned ("ok" when it returned anything else), or "consumed" for
+    CapsuleConsumedError."""
+    import threading
+    results, barrier = [None] * n, threading.Barrier(n)
+
+    def go(i):
+        barrier.wait()
+        try:
+            out = attempt(i)
+            results[i] = out if isinstance(out, str) else "ok"
+        except flashrt.CapsuleConsumedError:
+            results[i] = "consumed"
+    ts = [threading.Thread(target=go, args=(i,)) for i in range(n)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    return results

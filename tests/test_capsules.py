@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import flashrt
-from conftest import ARCHS, HYBRID, state_bytes
+from conftest import ARCHS, HYBRID, race, state_bytes
 
 
 def _ids(n, seed=0, vocab=512):
@@ -249,18 +249,7 @@ def test_single_use_capsule_threads(runtime):
     for k in kids:
         k.prefill([1, 2, 3])
     before = [k.arena.data.clone() for k in kids]
-    results, barrier = [None] * 8, threading.Barrier(8)
-
-    def go(i):
-        barrier.wait()
-        try:
-            kids[i].restore(cap)
-            results[i] = "ok"
-        except flashrt.CapsuleConsumedError:
-            results[i] = "consumed"
-    ts = [threading.Thread(target=go, args=(i,)) for i in range(8)]
-    [t.start() for t in ts]
-    [t.join() for t in ts]
+    results = race(8, lambda i: kids[i].restore(cap))
     assert results.count("ok") == 1 and results.count("consumed") == 7
     for i, k in enumerate(kids):
         if results[i] == "consumed":

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import flashrt
-from conftest import ARCHS, margin_check, state_bytes
+from conftest import ARCHS, margin_check, race, state_bytes
 from flashrt.capsules import Capsule, CapsuleStore
 from flashrt.errors import CapsuleConsumedError, CapsuleCorruptError, CapsuleError, CapsuleMismatchError
 
@@ -420,17 +420,7 @@ def test_single_use_take_threads(tmp_path, with_disk):
         with pytest.raises(CapsuleError, match="single-use"):
             st.get(key)
         assert st.match(synth(key).tokens) == (None, 0)
-        results, barrier = [None] * 8, threading.Barrier(8)
-
-        def go(i):
-            barrier.wait()
-            try:
-                results[i] = "ok" if _same(st.take(key), synth(key, single_use=True)) else "wrong"
-            except CapsuleConsumedError:
-                results[i] = "consumed"
-        ts = [threading.Thread(target=go, args=(i,)) for i in range(8)]
-        [t.start() for t in ts]
-        [t.join() for t in ts]
+        results = race(8, lambda i: "ok" if _same(st.take(key), synth(key, single_use=True)) else "wrong")
         assert sorted(results) == ["consumed"] * 7 + ["ok"], results
         assert key not in st
         _check_store(st)
@@ -454,18 +444,7 @@ def test_restore_into_validates_before_claim(runtime, tmp_path, with_disk):
     for k in kids:
         k.prefill([1, 2, 3])
     befores = [k.arena.data.clone() for k in kids]
-    results, barrier = [None] * 8, threading.Barrier(8)
-
-    def go(i):
-        barrier.wait()
-        try:
-            st.restore_into(kids[i], key)
-            results[i] = "ok"
-        except CapsuleConsumedError:
-            results[i] = "consumed"
-    ts = [threading.Thread(target=go, args=(i,)) for i in range(8)]
-    [t.start() for t in ts]
-    [t.join() for t in ts]
+    results = race(8, lambda i: st.restore_into(kids[i], key))
     assert sorted(results) == ["consumed"] * 7 + ["ok"], results
     for i, k in enumerate(kids):
         if results[i] == "ok":
