@@ -72,12 +72,16 @@ void Xxh64Stream::update(const void* data, std::size_t len) {
     v4_ = lane_round(v4_, read64(buf_ + 24));
     buffered_ = 0;
   }
+  // locals: the input may alias *this as far as the compiler knows, which would keep the
+  // lanes in memory instead of registers
+  uint64_t v1 = v1_, v2 = v2_, v3 = v3_, v4 = v4_;
   for (; end - p >= 32; p += 32) {
-    v1_ = lane_round(v1_, read64(p));
-    v2_ = lane_round(v2_, read64(p + 8));
-    v3_ = lane_round(v3_, read64(p + 16));
-    v4_ = lane_round(v4_, read64(p + 24));
+    v1 = lane_round(v1, read64(p));
+    v2 = lane_round(v2, read64(p + 8));
+    v3 = lane_round(v3, read64(p + 16));
+    v4 = lane_round(v4, read64(p + 24));
   }
+  v1_ = v1, v2_ = v2, v3_ = v3, v4_ = v4;
   buffered_ = static_cast<std::size_t>(end - p);
   std::memcpy(buf_, p, buffered_);
 }
