@@ -269,10 +269,10 @@ def bench_arch(arch, a, tmp, tables, quick_note):
                   "calls (as many as make ~2 ms of plain copy; 'calls_per_sample' in the JSON), "
                   "the three cases interleaved round by round, caches flushed (128 MiB written) "
                   "before every sample"]
-    dsk.notes += ["save = checksum + header + write + fsync + atomic rename + directory fsync; "
-                  "load(into) = read with the checksum computed chunk by chunk on the way in + "
-                  "canonical-header check, into a capsule allocated once (rt.empty_capsule()); "
-                  "load() fresh allocates its buffer per call",
+    dsk.notes += ["save = block checksums (all cores) + header + one gathered write + fsync + "
+                  "atomic rename + directory fsync; load(into) = header parse + positioned reads "
+                  "of 256 KiB blocks on all cores, each hashed as it lands, into a capsule "
+                  "allocated once (rt.empty_capsule()); load() fresh allocates its buffer per call",
                   "plain = write + fsync of the same bytes / readinto a preallocated buffer; "
                   "atomic write = the crash-safe floor: write a temp file + fsync + rename + "
                   "directory fsync; ratio = flashrt / plain ('!' > 1.5x at >= 1 MiB), vs atomic = "

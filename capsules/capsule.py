@@ -75,6 +75,9 @@ class Capsule:
         self._plans: dict = {}
         # (entries, arena ref, max_seq_len) that passed the per-buffer layout checks
         self._fits: tuple | None = None
+        # entry table of the last file loaded into this buffer (format._Table): a load(into=) of
+        # a file with the same table skips parsing it again
+        self._file_table = None
 
     # The entry table is immutable; what is derived from it is computed when it is replaced.
     @property
@@ -85,11 +88,14 @@ class Capsule:
     def entries(self, entries) -> None:
         if entries is getattr(self, "_entries", None):
             return                        # snapshot(into=) at a cached position: same table
-        self._entries = tuple(entries)
-        self._by_name = {e.name: e for e in self._entries}
-        self._nbytes = sum(e.nbytes for e in self._entries)
-        self._kinds = frozenset(e.kind for e in self._entries)
-        self._is_delta = any(e.row0 for e in self._entries)
+        derived = getattr(self, "_derived", None)
+        if derived is None or entries is not derived[0]:
+            t = tuple(entries)
+            derived = (t, {e.name: e for e in t}, sum(e.nbytes for e in t),
+                       frozenset(e.kind for e in t), any(e.row0 for e in t))
+            if t:                         # emptying (a refused load) keeps the last table's
+                self._derived = derived
+        self._entries, self._by_name, self._nbytes, self._kinds, self._is_delta = derived
 
     # ---- public properties --------------------------------------------------------------
     @property

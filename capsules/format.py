@@ -1,12 +1,17 @@
-"""On-disk capsule format, version 1: one safetensors file any safetensors reader can open.
+"""On-disk capsule format, version 2: one safetensors file any safetensors reader can open.
 
     [u64 LE header length][JSON header, space-padded to a multiple of 8][entry bytes, in entry order]
 
 The header is {"__metadata__": {...}, <buffer name>: {dtype, shape, data_offsets}, ...}; the
 metadata keeps what safetensors cannot (capsule offsets, kinds, seq flags, CapsuleMeta) so load
-rebuilds the exact in-memory layout. The checksum chains XXH64 over the header bytes as written
-(checksum value blanked) and then every entry's bytes, so no flipped byte anywhere goes
-unnoticed.
+rebuilds the exact in-memory layout.
+
+Checksum (metadata "hash" = "xxh64/262144"): the entry bytes in file order form one stream, cut
+into 256 KiB blocks; each block has its XXH64 (seed 0), and the checksum is the XXH64 of the
+header as written with the checksum value blanked, followed by the block digests as little-endian
+u64s. No flipped byte anywhere goes unnoticed, and the blocks are independent, so save hashes
+them on every core and load hashes each one right after reading it (version 1 chained one digest
+over the whole file: one core, and a second pass over the bytes).
 """
 from __future__ import annotations
 
@@ -15,21 +20,29 @@ import json
 import os
 import secrets
 import struct
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from flashrt.errors import CapsuleCorruptError, CapsuleMismatchError
-from flashrt.native import read_hashed, xxh64
+from flashrt.native import hash_blocks, read_blocks_hashed, xxh64
 
 from .capsule import Capsule, CapsuleMeta, Entry
 
-MAGIC, VERSION = "flashrt.capsule", "1"
+MAGIC, VERSION = "flashrt.capsule", "2"
+_BLOCK = 1 << 18                            # checksum block: fits L2, 4 blocks per MiB to share out
+HASH = f"xxh64/{_BLOCK}"
 _MAX_HEADER = 100_000_000   # safetensors' own limit; anything larger is a corrupt length field
 _ALIGN = 64                 # capsule buffer size granularity (matches capsule.plan_entries)
 _SLACK = 4096               # most padding one entry may leave before it (arena ALIGN is 256)
 _ST_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16", "int64": "I64",
               "int32": "I32", "uint8": "U8", "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2"}
-_META_KEYS = ("format", "version", "position", "fingerprint", "provenance", "kinds", "tokens",
+_FIRST_READ = 64 << 10     # first read: the length prefix and the header of most capsules
+_IOV_MAX = 1024            # buffers per writev (Linux IOV_MAX)
+_MD_PREFIX = '{"__metadata__":'   # save writes the metadata first
+_DECODER = json.JSONDecoder()
+_META_KEYS = ("format", "version", "hash", "position", "fingerprint", "provenance", "kinds", "tokens",
               "parent", "single_use", "extra", "entries", "checksum")
 
 
@@ -39,7 +52,7 @@ def _js(x) -> str:
 
 def _header(entries, meta: CapsuleMeta, tokens: list, checksum: str) -> bytes:
     """The canonical header (length prefix included), as save writes it."""
-    md = {"format": MAGIC, "version": VERSION, "position": str(meta.position),
+    md = {"format": MAGIC, "version": VERSION, "hash": HASH, "position": str(meta.position),
           "fingerprint": _js(meta.fingerprint), "provenance": _js(meta.provenance),
           "kinds": _js(sorted({e.kind for e in entries})), "tokens": _js(tokens),
           "parent": _js(meta.parent), "single_use": _js(meta.single_use), "extra": _js(meta.extra),
@@ -59,7 +72,16 @@ def _header(entries, meta: CapsuleMeta, tokens: list, checksum: str) -> bytes:
 def _blank(head: bytes, checksum: str) -> bytes:
     """The header as hashed (checksum value ""), derived from the bytes read without re-serialising:
     `"checksum":"` occurs once unescaped (inside the metadata strings quotes are escaped)."""
-    body = head.rstrip(b" ").replace(f'"checksum":"{checksum}"'.encode(), b'"checksum":""', 1)
+    return _repad(head.replace(f'"checksum":"{checksum}"'.encode(), b'"checksum":""', 1))
+
+
+def _fill(blank: bytes, checksum: str) -> bytes:
+    """The inverse of _blank: the header with its checksum value written in."""
+    return _repad(blank[8:].replace(b'"checksum":""', f'"checksum":"{checksum}"'.encode(), 1))
+
+
+def _repad(body: bytes) -> bytes:
+    body = body.rstrip(b" ")
     body += b" " * (-len(body) % 8)
     return struct.pack("<Q", len(body)) + body
 
@@ -68,17 +90,26 @@ def _tokens(cap: Capsule) -> list:
     return cap.tokens if any(e.name == "meta.tokens" for e in cap.entries) else []
 
 
-def _checksum(head_blank: bytes, data: torch.Tensor, entries) -> str:
-    h = xxh64(head_blank, 0)
-    for e in entries:
-        h = xxh64(data[e.offset: e.offset + e.nbytes], h)
-    return f"{h:016x}"
+def _spans(entries):
+    """(capsule offsets, byte counts) of the entries in file order, as int64 arrays."""
+    return (np.fromiter((e.offset for e in entries), np.int64, len(entries)),
+            np.fromiter((e.nbytes for e in entries), np.int64, len(entries)))
 
 
-def _write_all(f, mv: memoryview) -> None:
-    """Unbuffered writes straight from the tensor's memory (a module function so tests can fail it)."""
-    while mv.nbytes:
-        mv = mv[f.write(mv):]
+def _checksum(blank: bytes, digests: bytes) -> str:
+    return f"{xxh64(blank + digests):016x}"
+
+
+def _write_all(fd: int, views: list) -> None:
+    """Unbuffered gathered writes straight from the tensor's memory (a module function so tests
+    can fail it). Regular files take every byte in one call; the loop covers the rest."""
+    while views:
+        n = os.writev(fd, views[:_IOV_MAX])
+        while views and n >= views[0].nbytes:
+            n -= views[0].nbytes
+            views = views[1:]
+        if n:
+            views = [views[0][n:]] + views[1:]
 
 
 def save_capsule(cap: Capsule, path) -> None:
@@ -89,19 +120,22 @@ def save_capsule(cap: Capsule, path) -> None:
     for e in cap.entries:
         if e.name == "__metadata__" or e.offset < 0 or e.offset + e.nbytes > cap.data.numel():
             raise ValueError(f"save_capsule: entry {e.name!r} is reserved or outside the capsule data")
-    tokens = _tokens(cap)
-    blank = _header(cap.entries, cap.meta, tokens, "")
-    header = _header(cap.entries, cap.meta, tokens, _checksum(blank, cap.data, cap.entries))
+    offsets, nbytes = _spans(cap.entries)
+    blank = _header(cap.entries, cap.meta, _tokens(cap), "")
+    header = _fill(blank, _checksum(blank, hash_blocks(cap.data, offsets, nbytes, _BLOCK)))
+    mv = memoryview(cap.data.numpy())
+    views = [memoryview(header)] + [mv[o:o + n] for o, n in zip(offsets.tolist(), nbytes.tolist())]
     folder, name = os.path.split(path)
     tmp = os.path.join(folder, f".{name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
     try:
-        # buffering=0: bytes go from the tensor to the kernel with no Python-side copy, so there
-        # is nothing to flush; fsync before the rename so the rename never exposes a partial file.
-        with open(tmp, "xb", buffering=0) as f:
-            _write_all(f, memoryview(header))
-            for e in cap.entries:
-                _write_all(f, memoryview(cap.raw(e).numpy()))
-            os.fsync(f.fileno())
+        # O_EXCL: a fresh file; bytes go from the tensor to the kernel with no Python-side copy.
+        # fsync before the rename so the rename never exposes a partial file.
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o666)
+        try:
+            _write_all(fd, views)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
@@ -112,14 +146,6 @@ def save_capsule(cap: Capsule, path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def _read_exact(f, mv: memoryview, path, what) -> None:
-    while mv.nbytes:
-        n = f.readinto(mv)
-        if not n:
-            raise CapsuleCorruptError(f"{path}: truncated while reading {what}")
-        mv = mv[n:]
 
 
 def _int(x, what) -> int:
@@ -137,11 +163,47 @@ def _entry(row) -> Entry:
                  _int(offset, f"{name} offset"), seq, _int(row0, f"{name} row0"))
 
 
-def _parse(path, head: bytes, data_bytes: int):
-    hdr = json.loads(head.decode("ascii"))
-    md = hdr.get("__metadata__") if isinstance(hdr, dict) else None
+@dataclass(frozen=True)
+class _Table:
+    """An entry table parsed from a file header, with what load derives from it."""
+    text: str                 # the metadata's "entries" JSON it was parsed from
+    entries: tuple
+    offsets: np.ndarray       # capsule offsets in file order
+    nbytes: np.ndarray
+    data_bytes: int           # sum of nbytes: the file's data region
+    cap_size: int             # capsule buffer bytes (end of the last entry, aligned)
+    gaps: tuple               # (start, end) capsule byte ranges no entry covers: zeroed on load
+
+
+def _table(path, text: str, known: "_Table | None") -> _Table:
+    if known is not None and known.text == text:
+        return known          # same table as the last file loaded into this capsule
+    entries = tuple(_entry(r) for r in json.loads(text))
+    offsets, nbytes = _spans(entries)
+    spans = sorted(zip(offsets.tolist(), nbytes.tolist()))
+    # Offsets are trusted only after the checksum; refuse overlaps so no entry's bytes land on
+    # another's (the buffer is bounded against the file size by the caller).
+    if any(a0 + n0 > a1 for (a0, n0), (a1, _) in zip(spans, spans[1:])):
+        raise CapsuleCorruptError(f"{path}: entry offsets overlap")
+    cap_size = -(-max((a + n for a, n in spans), default=0) // _ALIGN) * _ALIGN
+    gaps, prev = [], 0
+    for a, n in spans + [(cap_size, 0)]:
+        if a > prev:
+            gaps.append((prev, a))
+        prev = max(prev, a + n)
+    return _Table(text, entries, offsets, nbytes, int(nbytes.sum()), cap_size, tuple(gaps))
+
+
+def _parse(path, head: bytes, data_bytes: int, known: _Table | None = None):
+    """(table, meta, tokens JSON, stored checksum) from a header. Only the metadata is parsed:
+    the safetensors tensor table after it restates the entries for other readers, and is
+    covered by the checksum like every other header byte."""
+    text = head.decode("ascii")
+    if not text.startswith(_MD_PREFIX):
+        raise CapsuleCorruptError(f"{path}: no leading __metadata__ table: not a FlashRT capsule")
+    md, _ = _DECODER.raw_decode(text, len(_MD_PREFIX))
     if not isinstance(md, dict):
-        raise CapsuleCorruptError(f"{path}: no __metadata__ table: not a FlashRT capsule")
+        raise CapsuleCorruptError(f"{path}: __metadata__ is not a table: not a FlashRT capsule")
     if md.get("format") != MAGIC:
         raise CapsuleCorruptError(f"{path}: not a FlashRT capsule: format is {md.get('format')!r}, "
                                   f"expected {MAGIC!r}")
@@ -150,24 +212,17 @@ def _parse(path, head: bytes, data_bytes: int):
                                   f"{md.get('version')!r} (this build reads {VERSION!r})")
     if sorted(md) != sorted(_META_KEYS):
         raise CapsuleCorruptError(f"{path}: metadata keys {sorted(md)} != {sorted(_META_KEYS)}")
-    entries = [_entry(r) for r in json.loads(md["entries"])]
+    if md["hash"] != HASH:
+        raise CapsuleCorruptError(f"{path}: unsupported checksum scheme {md['hash']!r} "
+                                  f"(this build reads {HASH!r})")
+    table = _table(path, md["entries"], known)
+    if table.data_bytes != data_bytes:
+        raise CapsuleCorruptError(f"{path}: entries hold {table.data_bytes} B but the file's data "
+                                  f"region is {data_bytes} B (truncated or trailing bytes)")
     meta = CapsuleMeta(int(md["position"]), json.loads(md["fingerprint"]),
                        json.loads(md["provenance"]), json.loads(md["parent"]),
                        json.loads(md["single_use"]), json.loads(md["extra"]))
-    tokens = json.loads(md["tokens"])
-    # The safetensors table must describe exactly these entries, contiguous and in order.
-    table, pos = [k for k in hdr if k != "__metadata__"], 0
-    if table != [e.name for e in entries]:
-        raise CapsuleCorruptError(f"{path}: tensor table {table} disagrees with the entry list")
-    for e in entries:
-        want = {"dtype": _ST_DTYPES[e.dtype], "shape": list(e.shape), "data_offsets": [pos, pos + e.nbytes]}
-        if hdr[e.name] != want:
-            raise CapsuleCorruptError(f"{path}: tensor {e.name!r} is {hdr[e.name]}, entries say {want}")
-        pos += e.nbytes
-    if pos != data_bytes:
-        raise CapsuleCorruptError(f"{path}: entries hold {pos} B but the file's data region is "
-                                  f"{data_bytes} B (truncated or trailing bytes)")
-    return entries, meta, tokens, md["checksum"]
+    return table, meta, md["tokens"], md["checksum"]
 
 
 def load_capsule(path, device="cpu", into: Capsule | None = None) -> Capsule:
@@ -190,59 +245,49 @@ def load_capsule(path, device="cpu", into: Capsule | None = None) -> Capsule:
 
 
 def _load(f, path, into: Capsule | None = None) -> Capsule:
-    size = os.fstat(f.fileno()).st_size
-    pre = bytearray(8)
-    _read_exact(f, memoryview(pre), path, "the header length")
-    (n,) = struct.unpack("<Q", pre)
+    fd = f.fileno()
+    size = os.fstat(fd).st_size
+    first = os.pread(fd, _FIRST_READ, 0)      # the length prefix and, usually, the whole header
+    if len(first) < 8:
+        raise CapsuleCorruptError(f"{path}: truncated while reading the header length")
+    (n,) = struct.unpack_from("<Q", first)
     if n > min(_MAX_HEADER, size - 8):
         raise CapsuleCorruptError(f"{path}: header length {n} exceeds the file ({size} B) or the "
                                   f"{_MAX_HEADER} B limit")
-    head = bytearray(n)
-    _read_exact(f, memoryview(head), path, "the header")
-    entries, meta, tokens, stored = _parse(path, bytes(head), size - 8 - n)
-    # The checksum covers the header's own bytes (with the checksum value blanked), so no flipped
-    # byte goes unnoticed without re-serialising the header to a canonical form; the length
-    # prefix is checked by the parse (entries must tile the data region exactly).
-    blank = _blank(bytes(head), stored)
-    # Offsets are trusted only after the checksum; bound the buffer so a damaged offset cannot
-    # request a huge allocation, and refuse overlaps so no entry's bytes land on another's.
-    spans = sorted((e.offset, e.offset + e.nbytes) for e in entries)
-    cap_size = -(-max((b for _, b in spans), default=0) // _ALIGN) * _ALIGN
-    if cap_size > size + _SLACK * (len(entries) + 1) or any(
-            b0 > a1 for (_, b0), (a1, _) in zip(spans, spans[1:])):
-        raise CapsuleCorruptError(f"{path}: entry offsets overlap or exceed the file's contents")
+    head = first[8:8 + n]
+    while len(head) < n:
+        more = os.pread(fd, n - len(head), 8 + len(head))
+        if not more:
+            raise CapsuleCorruptError(f"{path}: truncated while reading the header")
+        head += more
+    table, meta, _, stored = _parse(path, head, size - 8 - n,
+                                    into._file_table if into is not None else None)
+    # bound the buffer so a damaged offset cannot request a huge allocation
+    if table.cap_size > size + _SLACK * (len(table.entries) + 1):
+        raise CapsuleCorruptError(f"{path}: entry offsets exceed the file's contents")
     if into is not None:
-        if into.data.numel() < cap_size:
+        if into.data.numel() < table.cap_size:
             raise CapsuleMismatchError(f"load(into=): capsule buffer holds {into.data.numel()} B, "
-                                       f"{path} needs {cap_size} B")
+                                       f"{path} needs {table.cap_size} B")
         # emptied before any byte lands: a refused load leaves no restorable half-capsule
         into.entries, into.meta = (), CapsuleMeta(0, {}, {})
         data = into.data
     else:
-        data = torch.empty(cap_size, dtype=torch.uint8)
-    buf, prev = memoryview(data.numpy()), 0
-    for a, b in spans + [(cap_size, cap_size)]:   # zero the alignment gaps: bytes match the snapshot
-        if a > prev:
-            buf[prev:a] = bytes(a - prev)
-        prev = b
-    # file order; each entry's bytes land directly at its capsule offset and are hashed on the
-    # way in (chained: each entry's digest seeds the next, as _checksum computes it)
-    h = xxh64(blank, 0)
-    for e in entries:
-        h = read_hashed(f, data[e.offset: e.offset + e.nbytes], h)
-        if h is None:
-            raise CapsuleCorruptError(f"{path}: truncated while reading entry {e.name!r}")
-    if f.read(1):
-        raise CapsuleCorruptError(f"{path}: trailing bytes after the last entry")
-    if f"{h:016x}" != stored:
+        data = torch.empty(table.cap_size, dtype=torch.uint8)
+    for a, b in table.gaps:                     # zero the alignment gaps: bytes match the snapshot
+        data[a:b].zero_()
+    # each entry's bytes land directly at its capsule offset; blocks are hashed as they arrive
+    digests = read_blocks_hashed(f, 8 + n, data, table.offsets, table.nbytes, _BLOCK)
+    if digests is None:
+        raise CapsuleCorruptError(f"{path}: truncated while reading the entries")
+    if _checksum(_blank(head, stored), digests) != stored:
         raise CapsuleCorruptError(f"{path}: checksum mismatch (stored {stored})")
-    if into is not None:
+    if into is None:
+        cap = Capsule(data, table.entries, meta)
+    else:
         cap = into
-        cap.entries, cap.meta = entries, meta
+        cap.entries, cap.meta = table.entries, meta
         cap._consumed, cap.parent_capsule = False, None
         cap.generation += 1
-    else:
-        cap = Capsule(data, entries, meta)
-    if _tokens(cap) != tokens:
-        raise CapsuleCorruptError(f"{path}: token history in metadata disagrees with meta.tokens")
+    cap._file_table = table
     return cap

@@ -75,6 +75,7 @@ another sees as a missing file: get() then forgets the key and raises KeyError.
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 import secrets
@@ -139,7 +140,8 @@ def read_header(path):
     if len(head) < n:
         raise CapsuleCorruptError(f"{path}: truncated while reading the header")
     try:
-        entries, meta, tokens, stored = _fmt._parse(path, head, size - 8 - n)
+        table, meta, tokens, stored = _fmt._parse(path, head, size - 8 - n)
+        entries, tokens = list(table.entries), json.loads(tokens)
         canonical = _fmt._header(entries, meta, tokens, stored) == pre + head
     except (struct.error, ValueError, KeyError, TypeError, IndexError, RecursionError) as e:
         raise CapsuleCorruptError(f"{path}: malformed capsule header ({type(e).__name__}: {e})") from e

@@ -12,7 +12,7 @@
 namespace py = pybind11;
 
 PYBIND11_MODULE(_C, m) {
-  m.doc() = "FlashRT native kernels: segmented copy and XXH64";
+  m.doc() = "FlashRT native kernels: segmented copy, XXH64 and block checksums";
   m.attr("version") = FLASHRT_VERSION;
   m.def("copy_segments_cpu", &flashrt::launch::copy_segments_cpu, py::arg("src"), py::arg("dst"),
         py::arg("nbytes"), py::arg("num_threads") = 0,
@@ -26,10 +26,16 @@ PYBIND11_MODULE(_C, m) {
 #endif
   m.def("xxh64", &flashrt::launch::xxh64, py::arg("ptr"), py::arg("nbytes"), py::arg("seed") = 0,
         "XXH64 of nbytes bytes at host address ptr, as an unsigned 64-bit int.");
-  m.def("read_hashed", &flashrt::launch::read_hashed, py::arg("fd"), py::arg("ptr"), py::arg("nbytes"),
-        py::arg("seed") = 0,
-        "Read exactly nbytes from fd into host address ptr, hashing as it goes; the XXH64 of "
-        "those bytes, or None when the file ends first. OSError on a read error.");
+  m.def("hash_blocks", &flashrt::launch::hash_blocks, py::arg("base"), py::arg("size"),
+        py::arg("offsets"), py::arg("nbytes"), py::arg("block"), py::arg("num_threads") = 0,
+        "XXH64 (seed 0) of each `block`-byte block of the stream formed by the spans "
+        "(offset, nbytes) of the host buffer [base, base + size), in order; the digests as "
+        "little-endian u64 bytes. Blocks are hashed on up to num_threads threads (0 = all).");
+  m.def("read_blocks_hashed", &flashrt::launch::read_blocks_hashed, py::arg("fd"),
+        py::arg("file_offset"), py::arg("base"), py::arg("size"), py::arg("offsets"),
+        py::arg("nbytes"), py::arg("block"), py::arg("num_threads") = 0,
+        "Read the stream from fd at file_offset into the spans and return what hash_blocks "
+        "would return for them, or None when the file ends first. OSError on a read error.");
   m.def("has_cuda", [] {
 #ifdef FLASHRT_WITH_CUDA
     return true;

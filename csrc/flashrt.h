@@ -38,10 +38,19 @@ class Xxh64Stream {
   std::size_t buffered_ = 0;
 };
 
-// Reads exactly `len` bytes from file descriptor `fd` (at its current
-// offset) into `dst`, in chunks hashed while still in cache; returns the
-// XXH64 of those bytes with `seed`, or sets *short_read and returns 0 when
-// the file ends first. Throws std::system_error on a read error.
-uint64_t read_hashed(int fd, void* dst, std::size_t len, uint64_t seed, bool* short_read);
+// Checksums of a byte stream given as segments in stream order: digests[b]
+// is the XXH64 (seed 0) of stream bytes [b * block, min((b + 1) * block,
+// total)), for ceil(total / block) blocks. Blocks are split over up to
+// num_threads threads (0 = all cores); the digests never depend on that.
+void hash_blocks(const int64_t* addr, const int64_t* nbytes, int64_t n, int64_t block,
+                 uint64_t* digests, int num_threads);
+
+// Reads the stream from file descriptor `fd`, starting at byte `offset`
+// (pread: the descriptor's own offset is untouched), into the segments and
+// returns the digests hash_blocks would give, each block hashed right after
+// it is read. Returns false when the file ends first (digests then partial);
+// throws std::system_error on a read error.
+bool read_blocks_hashed(int fd, int64_t offset, const int64_t* addr, const int64_t* nbytes,
+                        int64_t n, int64_t block, uint64_t* digests, int num_threads);
 
 }  // namespace flashrt

@@ -4,6 +4,7 @@
 #include <stdexcept>
 #include <system_error>
 #include <string>
+#include <vector>
 
 #include "flashrt.h"
 
@@ -56,19 +57,72 @@ uint64_t xxh64(std::uintptr_t ptr, int64_t nbytes, uint64_t seed) {
   return flashrt::xxh64(reinterpret_cast<const void*>(ptr), static_cast<std::size_t>(nbytes), seed);
 }
 
-// Returns the digest, or None when the file ended before nbytes were read.
-py::object read_hashed(int fd, std::uintptr_t ptr, int64_t nbytes, uint64_t seed) {
-  if (fd < 0) throw std::invalid_argument("read_hashed: bad file descriptor");
-  if (nbytes < 0) throw std::invalid_argument("read_hashed: nbytes must be >= 0");
-  if (nbytes > 0 && ptr == 0) throw std::invalid_argument("read_hashed: null pointer");
-  bool short_read = false;
-  uint64_t h = 0;
+namespace {
+
+// Segment addresses inside [base, base + size) from offsets; rejects what would
+// touch memory outside the buffer.
+std::vector<int64_t> spans_to_addresses(std::uintptr_t base, int64_t size, const Int64Array& offsets,
+                                        const Int64Array& nbytes, int64_t block, const char* who) {
+  if (offsets.ndim() != 1 || nbytes.ndim() != 1 || offsets.shape(0) != nbytes.shape(0))
+    throw std::invalid_argument(std::string(who) + ": offsets and nbytes must be 1-D int64 arrays "
+                                "of one length");
+  if (block <= 0) throw std::invalid_argument(std::string(who) + ": block must be > 0");
+  if (size < 0 || (size > 0 && base == 0))
+    throw std::invalid_argument(std::string(who) + ": bad buffer (null or negative size)");
+  const int64_t *off = offsets.data(), *nb = nbytes.data();
+  std::vector<int64_t> addr(static_cast<size_t>(nbytes.shape(0)));
+  for (py::ssize_t i = 0; i < nbytes.shape(0); ++i) {
+    if (off[i] < 0 || nb[i] < 0 || nb[i] > size - off[i])
+      throw std::invalid_argument(std::string(who) + ": span " + std::to_string(i) + " [" +
+                                  std::to_string(off[i]) + ", +" + std::to_string(nb[i]) +
+                                  ") lies outside the " + std::to_string(size) + " B buffer");
+    addr[i] = static_cast<int64_t>(base) + off[i];
+  }
+  return addr;
+}
+
+// Digests as little-endian u64s: the format stores them as bytes.
+py::bytes digest_bytes(std::vector<uint64_t>& d) {
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
+  for (auto& x : d) x = __builtin_bswap64(x);
+#endif
+  return py::bytes(reinterpret_cast<const char*>(d.data()), d.size() * sizeof(uint64_t));
+}
+
+int64_t stream_blocks(const Int64Array& nbytes, int64_t block) {
+  int64_t total = 0;
+  for (py::ssize_t i = 0; i < nbytes.shape(0); ++i) total += nbytes.data()[i];
+  return (total + block - 1) / block;
+}
+
+}  // namespace
+
+py::bytes hash_blocks(std::uintptr_t base, int64_t size, const Int64Array& offsets,
+                      const Int64Array& nbytes, int64_t block, int num_threads) {
+  const auto addr = spans_to_addresses(base, size, offsets, nbytes, block, "hash_blocks");
+  std::vector<uint64_t> d(static_cast<size_t>(stream_blocks(nbytes, block)));
+  {
+    py::gil_scoped_release nogil;
+    flashrt::hash_blocks(addr.data(), nbytes.data(), nbytes.shape(0), block, d.data(), num_threads);
+  }
+  return digest_bytes(d);
+}
+
+// The digests as bytes, or None when the file ended before the stream did.
+py::object read_blocks_hashed(int fd, int64_t file_offset, std::uintptr_t base, int64_t size,
+                              const Int64Array& offsets, const Int64Array& nbytes, int64_t block,
+                              int num_threads) {
+  if (fd < 0) throw std::invalid_argument("read_blocks_hashed: bad file descriptor");
+  if (file_offset < 0) throw std::invalid_argument("read_blocks_hashed: negative file offset");
+  const auto addr = spans_to_addresses(base, size, offsets, nbytes, block, "read_blocks_hashed");
+  std::vector<uint64_t> d(static_cast<size_t>(stream_blocks(nbytes, block)));
+  bool complete = false;
   int err = 0;
   {
     py::gil_scoped_release nogil;
     try {
-      h = flashrt::read_hashed(fd, reinterpret_cast<void*>(ptr), static_cast<std::size_t>(nbytes),
-                               seed, &short_read);
+      complete = flashrt::read_blocks_hashed(fd, file_offset, addr.data(), nbytes.data(),
+                                             nbytes.shape(0), block, d.data(), num_threads);
     } catch (const std::system_error& e) {
       err = e.code().value();
     }
@@ -78,8 +132,8 @@ py::object read_hashed(int fd, std::uintptr_t ptr, int64_t nbytes, uint64_t seed
     PyErr_SetFromErrno(PyExc_OSError);
     throw py::error_already_set();
   }
-  if (short_read) return py::none();
-  return py::int_(h);
+  if (!complete) return py::none();
+  return digest_bytes(d);
 }
 
 }  // namespace launch

@@ -21,7 +21,12 @@ void copy_segments_cuda(const Int64Array& src, const Int64Array& dst, const Int6
                         std::uintptr_t stream);
 #endif
 uint64_t xxh64(std::uintptr_t ptr, int64_t nbytes, uint64_t seed);
-pybind11::object read_hashed(int fd, std::uintptr_t ptr, int64_t nbytes, uint64_t seed);
+// Spans are (offset, nbytes) inside the buffer [base, base + size), in stream order.
+pybind11::bytes hash_blocks(std::uintptr_t base, int64_t size, const Int64Array& offsets,
+                            const Int64Array& nbytes, int64_t block, int num_threads);
+pybind11::object read_blocks_hashed(int fd, int64_t file_offset, std::uintptr_t base, int64_t size,
+                                    const Int64Array& offsets, const Int64Array& nbytes,
+                                    int64_t block, int num_threads);
 
 }  // namespace launch
 }  // namespace flashrt

@@ -9,9 +9,10 @@ Two services the runtime needs on its hot path:
   passed in the kernel parameters, up to 1024 segments per launch).
 * ``xxh64``: the standard XXH64 checksum, identical with or without the
   extension (the fallback is the pure-Python ``_xxh64_py``).
-* ``read_hashed``: read bytes from a file straight into a tensor and return
-  their XXH64, hashing each 1 MiB chunk while it is still in cache (capsule
-  load walks the payload once instead of twice).
+* ``hash_blocks`` / ``read_blocks_hashed``: the capsule file checksum, an
+  XXH64 per fixed-size block of a byte stream given as spans of a buffer;
+  blocks are hashed on all cores, and a reader hashes each block right after
+  reading it, while it is still in cache (capsule load walks the payload once).
 
 Without the extension every function still works through torch copies and
 pure Python, after a single warning naming the import error.
@@ -19,6 +20,7 @@ pure Python, after a single warning naming the import error.
 from __future__ import annotations
 
 import functools
+import os
 import struct
 import warnings
 from typing import Sequence, Tuple
@@ -37,7 +39,7 @@ HAVE_EXT: bool = _C is not None
 HAVE_CUDA_EXT: bool = HAVE_EXT and bool(_C.has_cuda())
 
 __all__ = ["HAVE_EXT", "HAVE_CUDA_EXT", "ext_status", "SegmentPlan", "copy_segments", "xxh64",
-           "read_hashed"]
+           "hash_blocks", "read_blocks_hashed"]
 
 Pair = Tuple[torch.Tensor, torch.Tensor]
 
@@ -48,7 +50,7 @@ def ext_status() -> str:
         return (f"flashrt._C unavailable ({type(_IMPORT_ERROR).__name__}: {_IMPORT_ERROR}); "
                 "using torch copies and pure-Python xxh64")
     cuda = "CUDA segmented copy" if _C.has_cuda() else "no CUDA kernel (built without CUDA)"
-    return f"flashrt._C {_C.version}: CPU segmented copy, xxh64, {cuda}"
+    return f"flashrt._C {_C.version}: CPU segmented copy, xxh64, block checksums, {cuda}"
 
 
 @functools.lru_cache(maxsize=None)
@@ -246,20 +248,52 @@ def xxh64(data, seed: int = 0) -> int:
     return _xxh64_py(mv, seed)
 
 
-def read_hashed(f, dst: torch.Tensor, seed: int = 0) -> int | None:
-    """Read exactly dst.nbytes from the unbuffered binary file `f` (at its position) into the
-    contiguous CPU tensor `dst`; return the XXH64 of those bytes, or None when the file ends
-    first. Equals ``xxh64(dst, seed)`` after a plain read."""
-    if dst.device.type != "cpu" or not dst.is_contiguous():
-        raise ValueError("read_hashed: dst must be a contiguous CPU tensor")
-    n = dst.numel() * dst.element_size()
-    seed &= _M64
+def _spans(buf: torch.Tensor, offsets, nbytes, block: int, who: str):
+    if buf.device.type != "cpu" or buf.dtype != torch.uint8 or buf.dim() != 1 or not buf.is_contiguous():
+        raise ValueError(f"{who}: the buffer must be a contiguous 1-D uint8 CPU tensor")
+    return np.ascontiguousarray(offsets, dtype=np.int64), np.ascontiguousarray(nbytes, dtype=np.int64)
+
+
+def _blocks_py(buf: torch.Tensor, offsets, nbytes, block: int) -> bytes:
+    """Fallback: the block digests, one pure-Python XXH64 per block."""
+    mv = memoryview(buf.numpy())
+    stream = b"".join(mv[o:o + n] for o, n in zip(offsets.tolist(), nbytes.tolist()))
+    return b"".join(struct.pack("<Q", _xxh64_py(stream[i:i + block]))
+                    for i in range(0, len(stream), block))
+
+
+def hash_blocks(buf: torch.Tensor, offsets, nbytes, block: int) -> bytes:
+    """Block digests of the stream formed by spans (offsets[i], nbytes[i]) of the uint8 CPU
+    tensor `buf`, in order: for each `block`-byte block of the stream (the last may be shorter)
+    its XXH64 (seed 0), as little-endian u64 bytes. Independent of the thread count."""
+    offsets, nbytes = _spans(buf, offsets, nbytes, block, "hash_blocks")
     if HAVE_EXT:
-        return _C.read_hashed(f.fileno(), dst.data_ptr() if n else 0, n, seed)
-    mv = memoryview(dst.reshape(-1).view(torch.uint8).numpy())
-    while mv.nbytes:
-        got = f.readinto(mv)
-        if not got:
-            return None
-        mv = mv[got:]
-    return xxh64(dst, seed)
+        return _C.hash_blocks(buf.data_ptr(), buf.numel(), offsets, nbytes, block)
+    _warn_fallback()
+    if block <= 0 or (offsets < 0).any() or (nbytes < 0).any() or (offsets + nbytes > buf.numel()).any():
+        raise ValueError("hash_blocks: bad block size or a span outside the buffer")
+    return _blocks_py(buf, offsets, nbytes, block)
+
+
+def read_blocks_hashed(f, file_offset: int, buf: torch.Tensor, offsets, nbytes,
+                       block: int) -> bytes | None:
+    """Read the stream from the binary file `f` at byte `file_offset` (positioned reads: the
+    file position is untouched) into the spans of `buf`; return ``hash_blocks`` of them, or
+    None when the file ends first. Each block is hashed right after it is read."""
+    offsets, nbytes = _spans(buf, offsets, nbytes, block, "read_blocks_hashed")
+    if HAVE_EXT:
+        return _C.read_blocks_hashed(f.fileno(), file_offset, buf.data_ptr(), buf.numel(),
+                                     offsets, nbytes, block)
+    _warn_fallback()
+    if block <= 0 or (offsets < 0).any() or (nbytes < 0).any() or (offsets + nbytes > buf.numel()).any():
+        raise ValueError("read_blocks_hashed: bad block size or a span outside the buffer")
+    mv, pos = memoryview(buf.numpy()), file_offset
+    for o, n in zip(offsets.tolist(), nbytes.tolist()):
+        got = os.preadv(f.fileno(), [mv[o:o + n]], pos) if n else 0
+        while got < n:
+            more = os.preadv(f.fileno(), [mv[o + got:o + n]], pos + got)
+            if not more:
+                return None
+            got += more
+        pos += n
+    return _blocks_py(buf, offsets, nbytes, block)

@@ -88,7 +88,8 @@ def test_readable_by_safetensors(saved):
         for e in cap.entries:
             t = f.get_tensor(e.name)
             assert t.dtype == dtype_from_name(e.dtype) and tuple(t.shape) == e.shape
-    assert md["format"] == "flashrt.capsule" and md["version"] == "1"
+    assert md["format"] == "flashrt.capsule" and md["version"] == fmt.VERSION == "2"
+    assert md["hash"] == "xxh64/262144"
     assert md["tokens"] == "[100,101,102,103,104]"
     loaded = safetensors.torch.load_file(str(path))
     assert set(loaded) == {e.name for e in cap.entries}
@@ -162,12 +163,17 @@ def test_wrong_magic_and_version(tmp_path, monkeypatch):
         m.setattr(fmt, "MAGIC", "someone.else")
         cap.save(tmp_path / "magic")
     with monkeypatch.context() as m:
-        m.setattr(fmt, "VERSION", "2")
+        m.setattr(fmt, "VERSION", "1")
         cap.save(tmp_path / "version")
+    with monkeypatch.context() as m:
+        m.setattr(fmt, "HASH", "xxh3/65536")
+        cap.save(tmp_path / "hash")
     with pytest.raises(CapsuleCorruptError, match="not a FlashRT capsule.*someone.else"):
         fmt.load_capsule(tmp_path / "magic")
-    with pytest.raises(CapsuleCorruptError, match="version '2'"):
+    with pytest.raises(CapsuleCorruptError, match="version '1'"):
         fmt.load_capsule(tmp_path / "version")
+    with pytest.raises(CapsuleCorruptError, match="checksum scheme 'xxh3/65536'"):
+        fmt.load_capsule(tmp_path / "hash")
 
 
 def test_plain_safetensors_and_missing_file(tmp_path):
@@ -181,15 +187,11 @@ def test_plain_safetensors_and_missing_file(tmp_path):
 def test_atomic_save_failure_keeps_old_file(saved, monkeypatch):
     cap, path = saved
     before = path.read_bytes()
-    written = [0]
     real = fmt._write_all
 
-    def failing(f, mv):
-        if written[0] + mv.nbytes > 1000:      # header goes through, the data write dies
-            real(f, mv[: 1000 - written[0]])
-            raise OSError(28, "No space left on device (simulated)")
-        written[0] += mv.nbytes
-        real(f, mv)
+    def failing(fd, views):      # the header and 1000 B go through, then the disk fills up
+        os.write(fd, b"".join(bytes(v) for v in views)[:1000])
+        raise OSError(28, "No space left on device (simulated)")
 
     monkeypatch.setattr(fmt, "_write_all", failing)
     with pytest.raises(OSError, match="simulated"):

@@ -6,6 +6,7 @@ fallback, forced by hiding the extension).
 """
 import os
 import random
+import struct
 import warnings
 
 import numpy as np
@@ -250,23 +251,63 @@ def test_xxh64_large_buffer():
     assert native.xxh64(data[:-1], 12345) != want
 
 
-@pytest.mark.parametrize("n", [0, 1, 31, 32, 33, 1 << 20, (1 << 20) + 17, (3 << 20) + 5])
-def test_read_hashed_equals_read_then_hash(backend, tmp_path, n):
-    """Chunked hashing while reading (1 MiB chunks, 32-byte stripes split anywhere) gives the
-    one-shot XXH64; a file that ends early gives None."""
-    data = os.urandom(n + 11)
+def _spans_case(n_bytes, seed):
+    """A buffer and spans in a scrambled order: unaligned, empty, and block-crossing ones."""
+    rng = random.Random(seed)
+    buf = torch.randint(0, 256, (n_bytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
+    cuts = sorted(rng.sample(range(1, n_bytes), 9)) if n_bytes > 10 else []
+    spans = list(zip([0] + cuts, [b - a for a, b in zip([0] + cuts, cuts + [n_bytes])]))
+    spans.append((n_bytes // 2, 0))                      # empty span
+    rng.shuffle(spans)
+    off = np.array([o for o, _ in spans], dtype=np.int64)
+    nb = np.array([k for _, k in spans], dtype=np.int64)
+    stream = b"".join(bytes(buf[o:o + k].numpy()) for o, k in spans)
+    return buf, off, nb, stream
+
+
+@pytest.mark.parametrize("n_bytes, block", [(0, 64), (100, 1), (1000, 7), (4096, 64),
+                                             ((3 << 20) + 5, 1 << 18), ((1 << 20) + 17, 1 << 30)])
+def test_hash_blocks_is_xxh64_per_block(backend, n_bytes, block):
+    """Digest b is the one-shot XXH64 of stream block b, whatever the spans' split."""
+    buf, off, nb, stream = _spans_case(n_bytes, n_bytes + block)
+    got = native.hash_blocks(buf, off, nb, block)
+    want = b"".join(struct.pack("<Q", native.xxh64(stream[i:i + block]))
+                    for i in range(0, len(stream), block))
+    assert got == want
+    if backend == "ext" and n_bytes > (1 << 20):        # the digests do not depend on threads
+        assert native._C.hash_blocks(buf.data_ptr(), buf.numel(), off, nb, block, 1) == want
+
+
+@pytest.mark.parametrize("n_bytes", [1, 33, 4096, (1 << 20) + 17, (3 << 20) + 5])
+def test_read_blocks_hashed_lands_bytes_and_hashes(backend, tmp_path, n_bytes):
+    buf, off, nb, stream = _spans_case(n_bytes, n_bytes)
     path = tmp_path / "blob"
-    path.write_bytes(data)
-    dst = torch.zeros(n, dtype=torch.uint8)
+    path.write_bytes(b"x" * 11 + stream + b"tail")
+    dst = torch.zeros_like(buf)
     with open(path, "rb", buffering=0) as f:
-        assert f.read(11) == data[:11]                  # reads from the file's position
-        h = native.read_hashed(f, dst, seed=987654321)
-    assert bytes(dst.numpy()) == data[11:]
-    assert h == native._xxh64_py(data[11:], 987654321) if n < 4096 else h == native.xxh64(dst, 987654321)
-    if n:
-        with open(path, "rb", buffering=0) as f:
-            f.read(12)
-            assert native.read_hashed(f, torch.zeros(n, dtype=torch.uint8)) is None
+        got = native.read_blocks_hashed(f, 11, dst, off, nb, 1 << 18)
+        assert f.tell() == 0                            # positioned reads
+    assert got == native.hash_blocks(buf, off, nb, 1 << 18)
+    assert torch.equal(dst, buf)                        # every byte of buf lies in some span
+    path.write_bytes(b"x" * 11 + stream[:-1])           # the file ends one byte early
+    with open(path, "rb", buffering=0) as f:
+        assert native.read_blocks_hashed(f, 11, torch.zeros_like(buf), off, nb, 1 << 18) is None
+
+
+def test_block_spans_outside_the_buffer_are_refused(backend, tmp_path):
+    buf = torch.zeros(100, dtype=torch.uint8)
+    bad = [([90], [11]), ([-1], [5]), ([0], [-1]), ([101], [0])]
+    for o, k in bad:
+        with pytest.raises(ValueError):
+            native.hash_blocks(buf, np.array(o), np.array(k), 16)
+    with pytest.raises(ValueError):
+        native.hash_blocks(buf, np.array([0]), np.array([10]), 0)
+    (tmp_path / "f").write_bytes(bytes(200))
+    with open(tmp_path / "f", "rb", buffering=0) as f:
+        with pytest.raises(ValueError):
+            native.read_blocks_hashed(f, 0, buf, np.array([95]), np.array([10]), 16)
+    with pytest.raises(ValueError, match="uint8"):
+        native.hash_blocks(buf.float(), np.array([0]), np.array([1]), 16)
 
 
 def test_xxh64_input_kinds(backend):

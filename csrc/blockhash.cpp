@@ -1,0 +1,143 @@
+// Block checksums of a capsule's byte stream, computed while saving and
+// verified while loading. Independent fixed-size blocks (not one digest
+// chained over the whole stream) let every core hash its own share, and a
+// reader hashes each block right after reading it, while it is in cache:
+// reading everything and then hashing walks the bytes through DRAM twice.
+#include "flashrt.h"
+#include "pool.h"
+
+#include <sys/uio.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <climits>
+#include <system_error>
+#include <vector>
+
+namespace flashrt {
+namespace {
+
+// Below this the calling thread alone is faster (waking a parked worker
+// costs tens of microseconds, as much as hashing ~300 KiB).
+constexpr int64_t kParallelMinBytes = 512 << 10;
+
+struct Piece {
+  char* ptr;
+  int64_t len;
+};
+
+// The stream as segments with an exclusive prefix sum of their sizes.
+struct Stream {
+  const int64_t* addr;
+  std::vector<int64_t> start;  // n + 1 entries
+
+  Stream(const int64_t* a, const int64_t* nbytes, int64_t n) : addr(a), start(n + 1, 0) {
+    for (int64_t i = 0; i < n; ++i) start[i + 1] = start[i] + nbytes[i];
+  }
+  int64_t total() const { return start.back(); }
+
+  // The pieces of segments that hold stream bytes [lo, hi).
+  void pieces(int64_t lo, int64_t hi, std::vector<Piece>* out) const {
+    out->clear();
+    // last segment starting at or before lo (upper_bound skips empty segments)
+    size_t i = std::upper_bound(start.begin(), start.end(), lo) - start.begin() - 1;
+    for (int64_t pos = lo; pos < hi; ++i) {
+      const int64_t len = std::min(start[i + 1], hi) - pos;
+      if (len > 0) out->push_back({reinterpret_cast<char*>(addr[i]) + (pos - start[i]), len});
+      pos += len;
+    }
+  }
+};
+
+uint64_t hash_pieces(const std::vector<Piece>& ps) {
+  Xxh64Stream h(0);
+  for (const Piece& p : ps) h.update(p.ptr, static_cast<std::size_t>(p.len));
+  return h.digest();
+}
+
+// Fills the pieces from fd at `offset`; false when the file ends first.
+bool pread_pieces(int fd, int64_t offset, const std::vector<Piece>& ps) {
+  std::vector<iovec> iov;
+  iov.reserve(ps.size());
+  for (const Piece& p : ps) iov.push_back({p.ptr, static_cast<std::size_t>(p.len)});
+  size_t k = 0;
+  while (k < iov.size()) {
+    const int cnt = static_cast<int>(std::min<size_t>(iov.size() - k, IOV_MAX));
+    const ssize_t n = ::preadv(fd, iov.data() + k, cnt, offset);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      throw std::system_error(errno, std::generic_category(), "preadv");
+    }
+    if (n == 0) return false;
+    offset += n;
+    for (std::size_t left = static_cast<std::size_t>(n); left > 0;) {  // skip what was filled
+      const std::size_t take = std::min(left, iov[k].iov_len);
+      iov[k].iov_base = static_cast<char*>(iov[k].iov_base) + take;
+      iov[k].iov_len -= take;
+      left -= take;
+      if (iov[k].iov_len == 0) ++k;
+    }
+    while (k < iov.size() && iov[k].iov_len == 0) ++k;
+  }
+  return true;
+}
+
+// Runs block(b, scratch) for every block, split into contiguous ranges over
+// the pool (each thread walks the file forward: the kernel's readahead sees
+// sequential reads). block() must not throw.
+template <typename F>
+void for_blocks(int64_t total, int64_t block, int num_threads, const F& fn) {
+  const int64_t nblocks = (total + block - 1) / block;
+  if (num_threads <= 0) num_threads = host_cores();
+  const int64_t parts = total >= kParallelMinBytes ? std::min<int64_t>(num_threads, nblocks) : 1;
+  auto part = [&](int64_t t) {
+    std::vector<Piece> scratch;
+    for (int64_t b = nblocks * t / parts, e = nblocks * (t + 1) / parts; b < e; ++b) fn(b, &scratch);
+  };
+  if (parts <= 1) {
+    part(0);
+  } else {
+    WorkPool::instance().run(parts, part);
+  }
+}
+
+}  // namespace
+
+void hash_blocks(const int64_t* addr, const int64_t* nbytes, int64_t n, int64_t block,
+                 uint64_t* digests, int num_threads) {
+  const Stream s(addr, nbytes, n);
+  const int64_t total = s.total();
+  for_blocks(total, block, num_threads, [&](int64_t b, std::vector<Piece>* ps) {
+    s.pieces(b * block, std::min(total, (b + 1) * block), ps);
+    digests[b] = hash_pieces(*ps);
+  });
+}
+
+bool read_blocks_hashed(int fd, int64_t offset, const int64_t* addr, const int64_t* nbytes,
+                        int64_t n, int64_t block, uint64_t* digests, int num_threads) {
+  const Stream s(addr, nbytes, n);
+  const int64_t total = s.total();
+  std::atomic<int> err{0};
+  std::atomic<bool> short_read{false};
+  for_blocks(total, block, num_threads, [&](int64_t b, std::vector<Piece>* ps) {
+    if (err.load(std::memory_order_relaxed) || short_read.load(std::memory_order_relaxed)) return;
+    const int64_t lo = b * block;
+    s.pieces(lo, std::min(total, lo + block), ps);
+    try {
+      if (!pread_pieces(fd, offset + lo, *ps)) {
+        short_read = true;
+        return;
+      }
+    } catch (const std::system_error& e) {
+      err = e.code().value();
+      return;
+    }
+    digests[b] = hash_pieces(*ps);
+  });
+  if (err.load()) throw std::system_error(err.load(), std::generic_category(), "preadv");
+  return !short_read.load();
+}
+
+}  // namespace flashrt
