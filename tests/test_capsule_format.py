@@ -266,6 +266,15 @@ def test_load_into_preallocated(saved, tmp_path):
         Capsule.load(tmp_path / "short.capsule", into=target)
     assert Capsule.load(path, into=target) is target                 # reusable after a refusal
     assert_same(cap, target)
+    # one target, files with other tables and with the same table in turn: the table parsed
+    # for the previous file is reused only when the file's is the same
+    other, same_table = make_capsule(position=3, seed=5), make_capsule(seed=9)
+    other.save(tmp_path / "other.capsule")
+    same_table.save(tmp_path / "same.capsule")
+    for want, p in [(other, "other"), (cap, "c"), (same_table, "same"), (other, "other")]:
+        got = Capsule.load(tmp_path / f"{p}.capsule", into=target)
+        assert_same(want, got)
+        assert got.nbytes == want.nbytes and got.kinds == want.kinds
 
 
 def test_real_runtime_load_into(runtime, tmp_path):
