@@ -135,6 +135,31 @@ def test_parallel_copy_after_fork():
     assert os.waitstatus_to_exitcode(status) == 0
 
 
+@pytest.mark.parametrize("spacing", ["even", "uneven"])
+def test_equally_spaced_segments_coalesce_into_strided_copies(backend, spacing):
+    """A capsule-like copy (one fixed block, then rows [0, P) of equally spaced per-token
+    buffers packed into the destination) runs as a few 2-D strided torch copies; any break in
+    the spacing starts a new run; explicit num_threads keeps the native path."""
+    g = torch.Generator().manual_seed(4)
+    src = torch.randint(0, 256, (3 << 20,), dtype=torch.uint8, generator=g)
+    dst = torch.zeros(2 << 20, dtype=torch.uint8)
+    pairs = [(src[:600_000], dst[:600_000])]
+    for i in range(10):
+        so = (1 << 20) + i * 100_000 + (5_000 if spacing == "uneven" and i >= 6 else 0)
+        pairs.append((src[so:so + 40_000], dst[600_000 + i * 40_064: 600_000 + i * 40_064 + 40_000]))
+    pairs.append((src[7:19], dst[-12:]))
+    expected = dst.clone()
+    for a, b in pairs:
+        expected[b.storage_offset(): b.storage_offset() + b.numel()] = a
+    plan = native.SegmentPlan(pairs)
+    assert plan.mode == "strided"
+    assert len(plan) == (3 if spacing == "even" else 4)
+    plan.run()
+    assert torch.equal(dst, expected)
+    assert native.SegmentPlan(pairs, num_threads=1).mode == ("cpu" if backend == "ext" else "torch")
+    assert native.SegmentPlan(pairs[1:4]).mode != "strided"       # 120 kB: below the threshold
+
+
 def test_empty_and_zero_length(backend):
     native.copy_segments([])
     z = torch.empty(0, dtype=torch.uint8)
