@@ -78,6 +78,8 @@ class Capsule:
         # entry table of the last file loaded into this buffer (format._Table): a load(into=) of
         # a file with the same table skips parsing it again
         self._file_table = None
+        # (entries, header parts, spans) of the last save: saving the same table again skips them
+        self._header_parts = None
 
     # The entry table is immutable; what is derived from it is computed when it is replaced.
     @property

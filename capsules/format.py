@@ -16,6 +16,7 @@ over the whole file: one core, and a second pass over the bytes).
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import secrets
@@ -50,21 +51,30 @@ def _js(x) -> str:
     return json.dumps(x, separators=(",", ":"), sort_keys=True, ensure_ascii=True)
 
 
-def _header(entries, meta: CapsuleMeta, tokens: list, checksum: str) -> bytes:
-    """The canonical header (length prefix included), as save writes it."""
+def _entry_parts(entries) -> tuple:
+    """What the header says about an entry table alone: (kinds JSON, entries JSON, the
+    safetensors tensor table as JSON members). Save caches it per table on the capsule."""
+    dumps = functools.partial(json.dumps, separators=(",", ":"), ensure_ascii=True)
+    table, pos = [], 0
+    for e in entries:   # file order = entry order, tiling the data region as safetensors requires
+        table.append(f',{dumps(e.name)}:' + dumps({"dtype": _ST_DTYPES[e.dtype], "shape": list(e.shape),
+                                                   "data_offsets": [pos, pos + e.nbytes]}))
+        pos += e.nbytes
+    return (_js(sorted({e.kind for e in entries})),
+            _js([[e.name, e.kind, e.dtype, list(e.shape), e.offset, e.seq, e.row0] for e in entries]),
+            "".join(table))
+
+
+def _header(entries, meta: CapsuleMeta, tokens: list, checksum: str, parts=None) -> bytes:
+    """The canonical header (length prefix included), as save writes it: the metadata first,
+    then the tensor table (the JSON of {"__metadata__": md, name: {...}, ...})."""
+    kinds, table_entries, table = parts or _entry_parts(entries)
     md = {"format": MAGIC, "version": VERSION, "hash": HASH, "position": str(meta.position),
           "fingerprint": _js(meta.fingerprint), "provenance": _js(meta.provenance),
-          "kinds": _js(sorted({e.kind for e in entries})), "tokens": _js(tokens),
-          "parent": _js(meta.parent), "single_use": _js(meta.single_use), "extra": _js(meta.extra),
-          "entries": _js([[e.name, e.kind, e.dtype, list(e.shape), e.offset, e.seq, e.row0]
-                         for e in entries]),
+          "kinds": kinds, "tokens": _js(tokens), "parent": _js(meta.parent),
+          "single_use": _js(meta.single_use), "extra": _js(meta.extra), "entries": table_entries,
           "checksum": checksum}
-    hdr, pos = {"__metadata__": md}, 0
-    for e in entries:   # file order = entry order, tiling the data region as safetensors requires
-        hdr[e.name] = {"dtype": _ST_DTYPES[e.dtype], "shape": list(e.shape),
-                       "data_offsets": [pos, pos + e.nbytes]}
-        pos += e.nbytes
-    b = json.dumps(hdr, separators=(",", ":"), ensure_ascii=True).encode()
+    b = (_MD_PREFIX + json.dumps(md, separators=(",", ":"), ensure_ascii=True) + table + "}").encode()
     b += b" " * (-len(b) % 8)
     return struct.pack("<Q", len(b)) + b
 
@@ -120,8 +130,11 @@ def save_capsule(cap: Capsule, path) -> None:
     for e in cap.entries:
         if e.name == "__metadata__" or e.offset < 0 or e.offset + e.nbytes > cap.data.numel():
             raise ValueError(f"save_capsule: entry {e.name!r} is reserved or outside the capsule data")
-    offsets, nbytes = _spans(cap.entries)
-    blank = _header(cap.entries, cap.meta, _tokens(cap), "")
+    cached = cap._header_parts
+    if cached is None or cached[0] is not cap.entries:
+        cached = cap._header_parts = (cap.entries, _entry_parts(cap.entries), _spans(cap.entries))
+    parts, (offsets, nbytes) = cached[1], cached[2]
+    blank = _header(cap.entries, cap.meta, _tokens(cap), "", parts)
     header = _fill(blank, _checksum(blank, hash_blocks(cap.data, offsets, nbytes, _BLOCK)))
     mv = memoryview(cap.data.numpy())
     views = [memoryview(header)] + [mv[o:o + n] for o, n in zip(offsets.tolist(), nbytes.tolist())]
