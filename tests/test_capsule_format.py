@@ -286,3 +286,24 @@ def test_real_runtime_load_into(runtime, tmp_path):
     target = rt.empty_capsule()
     rt.restore(Capsule.load(tmp_path / "rt.capsule", into=target))
     assert rt.generate(max_new_tokens=4) == want
+
+
+def test_save_after_snapshot_into_at_another_position(runtime, tmp_path):
+    """save caches the header parts of a capsule's entry table: a capsule rewritten in place at
+    another position must not be saved with the previous table."""
+    rt = runtime("qwen3")
+    target = rt.empty_capsule()
+    rt.prefill([3, 1, 4, 1, 5, 9, 2, 6])
+    rt.snapshot(into=target).save(tmp_path / "a.capsule")
+    first = Capsule.load(tmp_path / "a.capsule")
+    rt.prefill([5, 3, 5])
+    fresh = rt.snapshot()
+    rt.snapshot(into=target).save(tmp_path / "b.capsule")
+    loaded = Capsule.load(tmp_path / "b.capsule")
+    assert_same(target, loaded)
+    assert loaded.entries == fresh.entries and torch.equal(_capsule_state_of(fresh), _capsule_state_of(loaded))
+    assert first.position == 8 and fresh.position == 11
+
+
+def _capsule_state_of(cap):
+    return torch.cat([cap.raw(e) for e in cap.entries])
