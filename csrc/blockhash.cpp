@@ -84,23 +84,23 @@ bool pread_pieces(int fd, int64_t offset, const std::vector<Piece>& ps) {
   return true;
 }
 
-// Runs block(b, scratch) for every block, split into contiguous ranges over
-// the pool (each thread walks the file forward: the kernel's readahead sees
-// sequential reads). block() must not throw.
+// Runs fn(b, scratch) for every block: on the calling thread for small streams,
+// otherwise over the pool one block at a time, so a thread that wakes late or
+// loses its core to another process's spinning threads holds up one block,
+// not a fixed share. fn must not throw.
 template <typename F>
 void for_blocks(int64_t total, int64_t block, int num_threads, const F& fn) {
   const int64_t nblocks = (total + block - 1) / block;
   if (num_threads <= 0) num_threads = host_cores();
-  const int64_t parts = total >= kParallelMinBytes ? std::min<int64_t>(num_threads, nblocks) : 1;
-  auto part = [&](int64_t t) {
+  if (total < kParallelMinBytes || num_threads == 1 || nblocks < 2) {
     std::vector<Piece> scratch;
-    for (int64_t b = nblocks * t / parts, e = nblocks * (t + 1) / parts; b < e; ++b) fn(b, &scratch);
-  };
-  if (parts <= 1) {
-    part(0);
-  } else {
-    WorkPool::instance().run(parts, part);
+    for (int64_t b = 0; b < nblocks; ++b) fn(b, &scratch);
+    return;
   }
+  WorkPool::instance().run(nblocks, [&](int64_t b) {
+    thread_local std::vector<Piece> scratch;
+    fn(b, &scratch);
+  }, num_threads);
 }
 
 }  // namespace

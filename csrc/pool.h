@@ -40,11 +40,13 @@ class WorkPool {
     return *pool;
   }
 
-  // Runs part(t) for t in [0, parts), the caller included; returns when all are done.
+  // Runs part(t) for t in [0, parts) on up to `threads` threads, the caller included (parts
+  // are handed out one at a time, so a slow thread holds up at most one); returns when all
+  // are done. threads <= 0: one thread per part.
   template <typename F>
-  void run(int64_t parts, const F& part) {
+  void run(int64_t parts, const F& part, int64_t threads = 0) {
     std::lock_guard<std::mutex> job(job_mu_);
-    ensure_workers(parts - 1);
+    ensure_workers((threads > 0 ? std::min(threads, parts) : parts) - 1);
     const std::function<void(int64_t)> fn = part;
     {
       std::lock_guard<std::mutex> lk(mu_);
