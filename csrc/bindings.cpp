@@ -12,7 +12,7 @@
 namespace py = pybind11;
 
 PYBIND11_MODULE(_C, m) {
-  m.doc() = "FlashRT native kernels: segmented copy, XXH64 and block checksums";
+  m.doc() = "FlashRT native kernels: segmented copy, XXH64, XXH3 and block checksums";
   m.attr("version") = FLASHRT_VERSION;
   m.def("copy_segments_cpu", &flashrt::launch::copy_segments_cpu, py::arg("src"), py::arg("dst"),
         py::arg("nbytes"), py::arg("num_threads") = 0,
@@ -26,9 +26,13 @@ PYBIND11_MODULE(_C, m) {
 #endif
   m.def("xxh64", &flashrt::launch::xxh64, py::arg("ptr"), py::arg("nbytes"), py::arg("seed") = 0,
         "XXH64 of nbytes bytes at host address ptr, as an unsigned 64-bit int.");
+  m.def("xxh3", &flashrt::launch::xxh3, py::arg("ptr"), py::arg("nbytes"),
+        "XXH3-64 (seed 0, default secret) of nbytes bytes at host address ptr.");
+  m.def("xxh3_isa", &flashrt::launch::xxh3_isa,
+        "The code XXH3 runs on this CPU: 'avx2' or 'baseline'.");
   m.def("hash_blocks", &flashrt::launch::hash_blocks, py::arg("base"), py::arg("size"),
         py::arg("offsets"), py::arg("nbytes"), py::arg("block"), py::arg("num_threads") = 0,
-        "XXH64 (seed 0) of each `block`-byte block of the stream formed by the spans "
+        "XXH3-64 (seed 0) of each `block`-byte block of the stream formed by the spans "
         "(offset, nbytes) of the host buffer [base, base + size), in order; the digests as "
         "little-endian u64 bytes. Blocks are hashed on up to num_threads threads (0 = all).");
   m.def("read_blocks_hashed", &flashrt::launch::read_blocks_hashed, py::arg("fd"),

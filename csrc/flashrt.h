@@ -38,8 +38,19 @@ class Xxh64Stream {
   std::size_t buffered_ = 0;
 };
 
+// A read-only byte range.
+struct ByteSpan {
+  const void* data;
+  std::size_t len;
+};
+
+// XXH3-64 (seed 0, default secret) of the spans concatenated; see xxh3.cpp.
+uint64_t xxh3_64(const ByteSpan* spans, std::size_t n);
+// "avx2" or "baseline": the code xxh3_64 runs on this CPU.
+const char* xxh3_isa();
+
 // Checksums of a byte stream given as segments in stream order: digests[b]
-// is the XXH64 (seed 0) of stream bytes [b * block, min((b + 1) * block,
+// is the XXH3-64 (seed 0) of stream bytes [b * block, min((b + 1) * block,
 // total)), for ceil(total / block) blocks. Blocks are split over up to
 // num_threads threads (0 = all cores); the digests never depend on that.
 void hash_blocks(const int64_t* addr, const int64_t* nbytes, int64_t n, int64_t block,

@@ -6,6 +6,7 @@
 #include <pybind11/pybind11.h>
 
 #include <cstdint>
+#include <string>
 
 namespace flashrt {
 namespace launch {
@@ -21,6 +22,8 @@ void copy_segments_cuda(const Int64Array& src, const Int64Array& dst, const Int6
                         std::uintptr_t stream);
 #endif
 uint64_t xxh64(std::uintptr_t ptr, int64_t nbytes, uint64_t seed);
+uint64_t xxh3(std::uintptr_t ptr, int64_t nbytes);
+std::string xxh3_isa();
 // Spans are (offset, nbytes) inside the buffer [base, base + size), in stream order.
 pybind11::bytes hash_blocks(std::uintptr_t base, int64_t size, const Int64Array& offsets,
                             const Int64Array& nbytes, int64_t block, int num_threads);

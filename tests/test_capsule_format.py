@@ -89,7 +89,7 @@ def test_readable_by_safetensors(saved):
             t = f.get_tensor(e.name)
             assert t.dtype == dtype_from_name(e.dtype) and tuple(t.shape) == e.shape
     assert md["format"] == "flashrt.capsule" and md["version"] == fmt.VERSION == "2"
-    assert md["hash"] == "xxh64/262144"
+    assert md["hash"] == "xxh3/262144"
     assert md["tokens"] == "[100,101,102,103,104]"
     loaded = safetensors.torch.load_file(str(path))
     assert set(loaded) == {e.name for e in cap.entries}
@@ -166,13 +166,13 @@ def test_wrong_magic_and_version(tmp_path, monkeypatch):
         m.setattr(fmt, "VERSION", "1")
         cap.save(tmp_path / "version")
     with monkeypatch.context() as m:
-        m.setattr(fmt, "HASH", "xxh3/65536")
+        m.setattr(fmt, "HASH", "xxh64/65536")
         cap.save(tmp_path / "hash")
     with pytest.raises(CapsuleCorruptError, match="not a FlashRT capsule.*someone.else"):
         fmt.load_capsule(tmp_path / "magic")
     with pytest.raises(CapsuleCorruptError, match="version '1'"):
         fmt.load_capsule(tmp_path / "version")
-    with pytest.raises(CapsuleCorruptError, match="checksum scheme 'xxh3/65536'"):
+    with pytest.raises(CapsuleCorruptError, match="checksum scheme 'xxh64/65536'"):
         fmt.load_capsule(tmp_path / "hash")
 
 

@@ -276,6 +276,29 @@ def test_xxh64_large_buffer():
     assert native.xxh64(data[:-1], 12345) != want
 
 
+def test_xxh3_reference_vector_and_fallback_at_every_length_class():
+    """The numpy fallback equals the vendored reference at every length class: 0, 1-3, 4-8,
+    9-16, 17-128, 129-240, and long inputs (whole 1 KiB blocks, partial stripes, last stripe)."""
+    assert native._xxh3_py(b"") == 0x2D06800538D394C2          # published XXH3_64bits("")
+    if not native.HAVE_EXT:
+        pytest.skip(native.ext_status())
+    assert native.xxh3(b"") == 0x2D06800538D394C2
+    rng = random.Random(7)
+    for n in list(range(0, 300)) + [1023, 1024, 1025, 1087, 2049, 4097, (1 << 18) + 63]:
+        data = bytes(rng.getrandbits(8) for _ in range(n)) if n < 5000 else os.urandom(n)
+        assert native._xxh3_py(data) == native.xxh3(data), n
+
+
+def test_xxh3_input_kinds(backend):
+    data = os.urandom(4099)
+    want = native._xxh3_py(data)
+    t = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    assert native.xxh3(data) == want and native.xxh3(t) == want
+    assert native.xxh3(memoryview(data)) == want and native.xxh3(np.frombuffer(data, np.uint8)) == want
+    with pytest.raises(ValueError, match="contiguous"):
+        native.xxh3(t[::2])
+
+
 def _spans_case(n_bytes, seed):
     """A buffer and spans in a scrambled order: unaligned, empty, and block-crossing ones."""
     rng = random.Random(seed)
@@ -292,11 +315,11 @@ def _spans_case(n_bytes, seed):
 
 @pytest.mark.parametrize("n_bytes, block", [(0, 64), (100, 1), (1000, 7), (4096, 64),
                                              ((3 << 20) + 5, 1 << 18), ((1 << 20) + 17, 1 << 30)])
-def test_hash_blocks_is_xxh64_per_block(backend, n_bytes, block):
-    """Digest b is the one-shot XXH64 of stream block b, whatever the spans' split."""
+def test_hash_blocks_is_xxh3_per_block(backend, n_bytes, block):
+    """Digest b is the one-shot XXH3 of stream block b, whatever the spans' split."""
     buf, off, nb, stream = _spans_case(n_bytes, n_bytes + block)
     got = native.hash_blocks(buf, off, nb, block)
-    want = b"".join(struct.pack("<Q", native.xxh64(stream[i:i + block]))
+    want = b"".join(struct.pack("<Q", native.xxh3(stream[i:i + block]))
                     for i in range(0, len(stream), block))
     assert got == want
     if backend == "ext" and n_bytes > (1 << 20):        # the digests do not depend on threads
