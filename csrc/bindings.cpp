@@ -30,6 +30,11 @@ PYBIND11_MODULE(_C, m) {
         "XXH3-64 (seed 0, default secret) of nbytes bytes at host address ptr.");
   m.def("xxh3_isa", &flashrt::launch::xxh3_isa,
         "The code XXH3 runs on this CPU: 'avx2' or 'baseline'.");
+  m.def("xxh3_parts", &flashrt::launch::xxh3_parts, py::arg("parts"),
+        "XXH3-64 (seed 0) of a list of bytes-like objects concatenated, without joining them.");
+  m.def("zero_spans", &flashrt::launch::zero_spans, py::arg("base"), py::arg("size"),
+        py::arg("offsets"), py::arg("nbytes"),
+        "Zero the spans (offset, nbytes) of the host buffer [base, base + size).");
   m.def("hash_blocks", &flashrt::launch::hash_blocks, py::arg("base"), py::arg("size"),
         py::arg("offsets"), py::arg("nbytes"), py::arg("block"), py::arg("num_threads") = 0,
         "XXH3-64 (seed 0) of each `block`-byte block of the stream formed by the spans "

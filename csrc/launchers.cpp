@@ -1,6 +1,7 @@
 #include "launchers.h"
 
 #include <cerrno>
+#include <cstring>
 #include <stdexcept>
 #include <system_error>
 #include <string>
@@ -106,6 +107,29 @@ int64_t stream_blocks(const Int64Array& nbytes, int64_t block) {
 }
 
 }  // namespace
+
+uint64_t xxh3_parts(const std::vector<py::buffer>& parts) {
+  std::vector<py::buffer_info> infos;   // keep each buffer exported while hashing
+  std::vector<ByteSpan> spans;
+  infos.reserve(parts.size());
+  spans.reserve(parts.size());
+  for (const auto& p : parts) {
+    infos.push_back(p.request());
+    const auto& bi = infos.back();
+    const bool c_contiguous = bi.ndim <= 1 && (bi.ndim == 0 || bi.strides[0] == bi.itemsize);
+    if (!c_contiguous) throw std::invalid_argument("xxh3_parts: every part must be a contiguous buffer");
+    spans.push_back({bi.ptr, static_cast<std::size_t>(bi.size * bi.itemsize)});
+  }
+  py::gil_scoped_release nogil;
+  return flashrt::xxh3_64(spans.data(), spans.size());
+}
+
+void zero_spans(std::uintptr_t base, int64_t size, const Int64Array& offsets, const Int64Array& nbytes) {
+  const auto addr = spans_to_addresses(base, size, offsets, nbytes, 1, "zero_spans");
+  const int64_t* nb = nbytes.data();
+  for (size_t i = 0; i < addr.size(); ++i)
+    std::memset(reinterpret_cast<void*>(addr[i]), 0, static_cast<std::size_t>(nb[i]));
+}
 
 py::bytes hash_blocks(std::uintptr_t base, int64_t size, const Int64Array& offsets,
                       const Int64Array& nbytes, int64_t block, int num_threads) {

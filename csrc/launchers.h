@@ -4,9 +4,11 @@
 
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 namespace flashrt {
 namespace launch {
@@ -24,6 +26,10 @@ void copy_segments_cuda(const Int64Array& src, const Int64Array& dst, const Int6
 uint64_t xxh64(std::uintptr_t ptr, int64_t nbytes, uint64_t seed);
 uint64_t xxh3(std::uintptr_t ptr, int64_t nbytes);
 std::string xxh3_isa();
+// XXH3-64 of the parts (bytes-like, contiguous) concatenated, without joining them.
+uint64_t xxh3_parts(const std::vector<pybind11::buffer>& parts);
+// Zero the spans (offset, nbytes) of the host buffer [base, base + size).
+void zero_spans(std::uintptr_t base, int64_t size, const Int64Array& offsets, const Int64Array& nbytes);
 // Spans are (offset, nbytes) inside the buffer [base, base + size), in stream order.
 pybind11::bytes hash_blocks(std::uintptr_t base, int64_t size, const Int64Array& offsets,
                             const Int64Array& nbytes, int64_t block, int num_threads);

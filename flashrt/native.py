@@ -41,7 +41,7 @@ HAVE_EXT: bool = _C is not None
 HAVE_CUDA_EXT: bool = HAVE_EXT and bool(_C.has_cuda())
 
 __all__ = ["HAVE_EXT", "HAVE_CUDA_EXT", "ext_status", "SegmentPlan", "copy_segments", "xxh64",
-           "xxh3", "hash_blocks", "read_blocks_hashed"]
+           "xxh3", "xxh3_parts", "zero_spans", "hash_blocks", "read_blocks_hashed"]
 
 Pair = Tuple[torch.Tensor, torch.Tensor]
 
@@ -431,6 +431,26 @@ def xxh3(data) -> int:
     return _xxh3_py(mv)
 
 
+def xxh3_parts(parts) -> int:
+    """XXH3-64 (seed 0) of bytes-like parts concatenated, without joining them."""
+    if HAVE_EXT:
+        return _C.xxh3_parts(list(parts))
+    _warn_fallback()
+    return _xxh3_py(b"".join(bytes(memoryview(p).cast("B")) for p in parts))
+
+
+def zero_spans(buf: torch.Tensor, offsets, nbytes) -> None:
+    """Zero the spans (offsets[i], nbytes[i]) of the uint8 CPU tensor `buf`."""
+    offsets, nbytes = _spans(buf, offsets, nbytes, 1, "zero_spans")
+    if HAVE_EXT:
+        _C.zero_spans(buf.data_ptr(), buf.numel(), offsets, nbytes)
+        return
+    if (offsets < 0).any() or (nbytes < 0).any() or (offsets + nbytes > buf.numel()).any():
+        raise ValueError("zero_spans: a span lies outside the buffer")
+    for o, n in zip(offsets.tolist(), nbytes.tolist()):
+        buf[o:o + n].zero_()
+
+
 def _spans(buf: torch.Tensor, offsets, nbytes, block: int, who: str):
     if buf.device.type != "cpu" or buf.dtype != torch.uint8 or buf.dim() != 1 or not buf.is_contiguous():
         raise ValueError(f"{who}: the buffer must be a contiguous 1-D uint8 CPU tensor")
@@ -460,21 +480,23 @@ def hash_blocks(buf: torch.Tensor, offsets, nbytes, block: int) -> bytes:
 
 def read_blocks_hashed(f, file_offset: int, buf: torch.Tensor, offsets, nbytes,
                        block: int) -> bytes | None:
-    """Read the stream from the binary file `f` at byte `file_offset` (positioned reads: the
-    file position is untouched) into the spans of `buf`; return ``hash_blocks`` of them, or
-    None when the file ends first. Each block is hashed right after it is read."""
+    """Read the stream from the binary file `f` (a file object or descriptor) at byte
+    `file_offset` (positioned reads: the file position is untouched) into the spans of `buf`;
+    return ``hash_blocks`` of them, or None when the file ends first. Each block is hashed
+    right after it is read."""
     offsets, nbytes = _spans(buf, offsets, nbytes, block, "read_blocks_hashed")
+    fd = f if isinstance(f, int) else f.fileno()
     if HAVE_EXT:
-        return _C.read_blocks_hashed(f.fileno(), file_offset, buf.data_ptr(), buf.numel(),
+        return _C.read_blocks_hashed(fd, file_offset, buf.data_ptr(), buf.numel(),
                                      offsets, nbytes, block)
     _warn_fallback()
     if block <= 0 or (offsets < 0).any() or (nbytes < 0).any() or (offsets + nbytes > buf.numel()).any():
         raise ValueError("read_blocks_hashed: bad block size or a span outside the buffer")
     mv, pos = memoryview(buf.numpy()), file_offset
     for o, n in zip(offsets.tolist(), nbytes.tolist()):
-        got = os.preadv(f.fileno(), [mv[o:o + n]], pos) if n else 0
+        got = os.preadv(fd, [mv[o:o + n]], pos) if n else 0
         while got < n:
-            more = os.preadv(f.fileno(), [mv[o + got:o + n]], pos + got)
+            more = os.preadv(fd, [mv[o + got:o + n]], pos + got)
             if not more:
                 return None
             got += more
