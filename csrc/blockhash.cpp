@@ -1,8 +1,9 @@
-// Block checksums (XXH3-64 per block) of a capsule's byte stream, computed while saving and
-// verified while loading. Independent fixed-size blocks (not one digest
-// chained over the whole stream) let every core hash its own share, and a
-// reader hashes each block right after reading it, while it is in cache:
-// reading everything and then hashing walks the bytes through DRAM twice.
+// Block checksums (XXH3-64 per block) of a capsule's byte stream, computed
+// while saving and verified while loading. Independent fixed-size blocks (not
+// one digest chained over the whole stream) let every core hash its own
+// share, and a reader hashes each block right after reading it, while it is
+// in cache: reading everything and then hashing walks the bytes through DRAM
+// twice.
 #include "flashrt.h"
 #include "pool.h"
 

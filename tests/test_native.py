@@ -326,8 +326,9 @@ def test_hash_blocks_is_xxh3_per_block(backend, n_bytes, block):
         assert native._C.hash_blocks(buf.data_ptr(), buf.numel(), off, nb, block, 1) == want
 
 
-@pytest.mark.parametrize("n_bytes", [1, 33, 4096, (1 << 20) + 17, (3 << 20) + 5])
+@pytest.mark.parametrize("n_bytes", [1, 33, 4096, (1 << 20) + 17, (3 << 20) + 5, (13 << 20) + 5])
 def test_read_blocks_hashed_lands_bytes_and_hashes(backend, tmp_path, n_bytes):
+    """13 MiB: past the threshold where the extension reads blocks on several threads."""
     buf, off, nb, stream = _spans_case(n_bytes, n_bytes)
     path = tmp_path / "blob"
     path.write_bytes(b"x" * 11 + stream + b"tail")
