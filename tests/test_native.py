@@ -289,6 +289,22 @@ def test_xxh3_reference_vector_and_fallback_at_every_length_class():
         assert native._xxh3_py(data) == native.xxh3(data), n
 
 
+def test_zero_spans_and_xxh3_parts(backend):
+    buf = torch.full((100,), 7, dtype=torch.uint8)
+    native.zero_spans(buf, np.array([3, 50, 99]), np.array([4, 10, 1]))
+    want = torch.full((100,), 7, dtype=torch.uint8)
+    want[3:7] = 0
+    want[50:60] = 0
+    want[99] = 0
+    assert torch.equal(buf, want)
+    with pytest.raises(ValueError):
+        native.zero_spans(buf, np.array([95]), np.array([6]))
+    assert torch.equal(buf, want)                       # a refused call writes nothing
+    data = os.urandom(3000)
+    parts = [data[:1], memoryview(data)[1:1000], bytearray(data[1000:2999]), data[2999:]]
+    assert native.xxh3_parts(parts) == native.xxh3(data) == native._xxh3_py(data)
+
+
 def test_xxh3_input_kinds(backend):
     data = os.urandom(4099)
     want = native._xxh3_py(data)
