@@ -62,7 +62,10 @@ def attach_native() -> str | None:
                 spec.loader.exec_module(mod)
             except ImportError:
                 continue
-            if all(hasattr(mod, n) for n in ("copy_segments_cpu", "xxh64", "has_cuda", "version")):
+            # what flashrt.native calls (its NEEDS; that module cannot be imported yet)
+            if all(hasattr(mod, n) for n in (
+                    "copy_segments_cpu", "xxh64", "xxh3", "xxh3_parts", "xxh3_isa", "zero_spans",
+                    "hash_blocks", "read_blocks_hashed", "has_cuda", "version")):
                 sys.modules["flashrt._C"] = mod
                 flashrt._C = mod
                 return so
@@ -424,7 +427,6 @@ def load_flashrt(path, args, max_seq_len: int, **kw):
 
 def load_hf(path, args, attn: str | None = None):
     """transformers' own eager (not compiled) model for the checkpoint, same dtype and device."""
-    import torch
     import transformers
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()

@@ -30,10 +30,19 @@ from typing import Sequence, Tuple
 import numpy as np
 import torch
 
+# What this module calls in the extension; a build from older sources lacks some, and is
+# then not used (the bench scripts attach an installed build only if it has them all).
+NEEDS = ("copy_segments_cpu", "xxh64", "xxh3", "xxh3_parts", "xxh3_isa", "zero_spans",
+         "hash_blocks", "read_blocks_hashed", "has_cuda", "version")
+
 try:
     from . import _C
+    _missing = [n for n in NEEDS if not hasattr(_C, n)]
+    if _missing:
+        raise ImportError(f"flashrt._C {getattr(_C, 'version', '?')} was built from older sources "
+                          f"(it lacks {', '.join(_missing)}): rebuild it (pip install .)")
     _IMPORT_ERROR: ImportError | None = None
-except ImportError as _e:  # not built, or built for another Python/platform
+except ImportError as _e:  # not built, built for another Python/platform, or stale
     _C = None
     _IMPORT_ERROR = _e
 

@@ -248,6 +248,20 @@ def test_ext_status_and_version():
         assert hasattr(native._C, "copy_segments_cuda") == native._C.has_cuda()
 
 
+def test_stale_extension_is_not_used():
+    """An extension built from older sources (missing functions this module calls) is refused
+    with a message saying so, and the fallbacks run instead."""
+    import subprocess
+    import sys
+    code = ("import sys, types; m = types.ModuleType('flashrt._C'); m.version = '0.0.1'; "
+            "m.copy_segments_cpu = m.xxh64 = m.has_cuda = lambda *a: 0; "
+            "sys.modules['flashrt._C'] = m; import flashrt; flashrt._C = m; "
+            "import flashrt.native as n; print(n.HAVE_EXT); print(n.ext_status())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    have, status = out.splitlines()[:2]
+    assert have == "False" and "older sources" in status and "hash_blocks" in status
+
+
 # --------------------------------------------------------------------------- xxh64
 
 VECTORS = [(b"", 0, 0xEF46DB3751D8E999), (b"a", 0, 0xD24EC4F1A98C6E5B),
