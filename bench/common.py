@@ -38,7 +38,7 @@ def attach_native() -> str | None:
 
     `python bench/x.py` imports flashrt from the source tree, where `pip install .` leaves no
     `_C` (it goes to site-packages). Without it capsule copies fall back to torch and the
-    capsule checksum to pure-Python XXH64 (minutes per 100 MiB). FLASHRT_EXT_DIR may name the
+    capsule checksum to a numpy XXH3 (~50 MB/s). FLASHRT_EXT_DIR may name the
     directory holding `_C*.so`; otherwise installed `flashrt/` directories are searched. Returns
     the path attached, or None. Must run before anything imports flashrt.native.
     """

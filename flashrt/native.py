@@ -59,7 +59,7 @@ def ext_status() -> str:
     """One line saying which native paths are in use (for logs and bug reports)."""
     if not HAVE_EXT:
         return (f"flashrt._C unavailable ({type(_IMPORT_ERROR).__name__}: {_IMPORT_ERROR}); "
-                "using torch copies and pure-Python xxh64")
+                "using torch copies and Python/numpy hashing")
     cuda = "CUDA segmented copy" if _C.has_cuda() else "no CUDA kernel (built without CUDA)"
     return (f"flashrt._C {_C.version}: CPU segmented copy, xxh64, xxh3 ({_C.xxh3_isa()}), "
             f"block checksums, {cuda}")
