@@ -64,7 +64,7 @@ def attach_native() -> str | None:
                 continue
             # what flashrt.native calls (its NEEDS; that module cannot be imported yet)
             if all(hasattr(mod, n) for n in (
-                    "copy_segments_cpu", "xxh64", "xxh3", "xxh3_parts", "xxh3_isa", "zero_spans",
+                    "copy_segments_cpu", "xxh64", "xxh3_parts", "xxh3_isa", "zero_spans",
                     "hash_blocks", "read_blocks_hashed", "has_cuda", "version")):
                 sys.modules["flashrt._C"] = mod
                 flashrt._C = mod

@@ -26,8 +26,6 @@ PYBIND11_MODULE(_C, m) {
 #endif
   m.def("xxh64", &flashrt::launch::xxh64, py::arg("ptr"), py::arg("nbytes"), py::arg("seed") = 0,
         "XXH64 of nbytes bytes at host address ptr, as an unsigned 64-bit int.");
-  m.def("xxh3", &flashrt::launch::xxh3, py::arg("ptr"), py::arg("nbytes"),
-        "XXH3-64 (seed 0, default secret) of nbytes bytes at host address ptr.");
   m.def("xxh3_isa", &flashrt::launch::xxh3_isa,
         "The code XXH3 runs on this CPU: 'avx2' or 'baseline'.");
   m.def("xxh3_parts", &flashrt::launch::xxh3_parts, py::arg("parts"),

@@ -6,6 +6,7 @@
 // twice.
 #include "flashrt.h"
 #include "pool.h"
+#include "segments.h"
 
 #include <sys/uio.h>
 #include <unistd.h>
@@ -29,51 +30,30 @@ namespace {
 constexpr int64_t kHashParallelMinBytes = 2 << 20;
 constexpr int64_t kReadParallelMinBytes = 12 << 20;
 
-struct Piece {
-  char* ptr;
-  int64_t len;
-};
-
-// The stream as segments with an exclusive prefix sum of their sizes.
+// The stream as segments: their addresses and where each starts in the stream.
 struct Stream {
   const int64_t* addr;
-  std::vector<int64_t> start;  // n + 1 entries
+  std::vector<int64_t> start;
 
-  Stream(const int64_t* a, const int64_t* nbytes, int64_t n) : addr(a), start(n + 1, 0) {
-    for (int64_t i = 0; i < n; ++i) start[i + 1] = start[i] + nbytes[i];
-  }
+  Stream(const int64_t* a, const int64_t* nbytes, int64_t n) : addr(a), start(segment_starts(nbytes, n)) {}
   int64_t total() const { return start.back(); }
 
   // The pieces of segments that hold stream bytes [lo, hi).
-  void pieces(int64_t lo, int64_t hi, std::vector<Piece>* out) const {
+  void pieces(int64_t lo, int64_t hi, std::vector<ByteSpan>* out) const {
     out->clear();
-    // last segment starting at or before lo (upper_bound skips empty segments)
-    size_t i = std::upper_bound(start.begin(), start.end(), lo) - start.begin() - 1;
-    for (int64_t pos = lo; pos < hi; ++i) {
-      const int64_t len = std::min(start[i + 1], hi) - pos;
-      if (len > 0) out->push_back({reinterpret_cast<char*>(addr[i]) + (pos - start[i]), len});
-      pos += len;
-    }
+    for_each_piece(start, lo, hi, [&](size_t i, int64_t off, int64_t len) {
+      out->push_back({reinterpret_cast<const char*>(addr[i]) + off, static_cast<std::size_t>(len)});
+    });
   }
 };
 
-uint64_t hash_pieces(const std::vector<Piece>& ps) {
-  ByteSpan spans[64];  // a block spans few segments; more go through the vector
-  if (ps.size() <= 64) {
-    for (std::size_t i = 0; i < ps.size(); ++i) spans[i] = {ps[i].ptr, static_cast<std::size_t>(ps[i].len)};
-    return xxh3_64(spans, ps.size());
-  }
-  std::vector<ByteSpan> v;
-  v.reserve(ps.size());
-  for (const Piece& p : ps) v.push_back({p.ptr, static_cast<std::size_t>(p.len)});
-  return xxh3_64(v.data(), v.size());
-}
-
-// Fills the pieces from fd at `offset`; false when the file ends first.
-bool pread_pieces(int fd, int64_t offset, const std::vector<Piece>& ps) {
+// Fills the pieces from fd at `offset`; false when the file ends first. The
+// pieces are read-only spans for hashing; here they are the caller's
+// destination buffers, hence the const_cast.
+bool pread_pieces(int fd, int64_t offset, const std::vector<ByteSpan>& ps) {
   std::vector<iovec> iov;
   iov.reserve(ps.size());
-  for (const Piece& p : ps) iov.push_back({p.ptr, static_cast<std::size_t>(p.len)});
+  for (const ByteSpan& p : ps) iov.push_back({const_cast<void*>(p.data), p.len});
   size_t k = 0;
   while (k < iov.size()) {
     const int cnt = static_cast<int>(std::min<size_t>(iov.size() - k, IOV_MAX));
@@ -105,12 +85,12 @@ void for_blocks(int64_t total, int64_t block, int num_threads, int64_t min_paral
   const int64_t nblocks = (total + block - 1) / block;
   if (num_threads <= 0) num_threads = host_cores();
   if (total < min_parallel || num_threads == 1 || nblocks < 2) {
-    std::vector<Piece> scratch;
+    std::vector<ByteSpan> scratch;
     for (int64_t b = 0; b < nblocks; ++b) fn(b, &scratch);
     return;
   }
   WorkPool::instance().run(nblocks, [&](int64_t b) {
-    thread_local std::vector<Piece> scratch;
+    thread_local std::vector<ByteSpan> scratch;
     fn(b, &scratch);
   }, num_threads);
 }
@@ -121,9 +101,9 @@ void hash_blocks(const int64_t* addr, const int64_t* nbytes, int64_t n, int64_t 
                  uint64_t* digests, int num_threads) {
   const Stream s(addr, nbytes, n);
   const int64_t total = s.total();
-  for_blocks(total, block, num_threads, kHashParallelMinBytes, [&](int64_t b, std::vector<Piece>* ps) {
+  for_blocks(total, block, num_threads, kHashParallelMinBytes, [&](int64_t b, std::vector<ByteSpan>* ps) {
     s.pieces(b * block, std::min(total, (b + 1) * block), ps);
-    digests[b] = hash_pieces(*ps);
+    digests[b] = xxh3_64(ps->data(), ps->size());
   });
 }
 
@@ -133,7 +113,7 @@ bool read_blocks_hashed(int fd, int64_t offset, const int64_t* addr, const int64
   const int64_t total = s.total();
   std::atomic<int> err{0};
   std::atomic<bool> short_read{false};
-  for_blocks(total, block, num_threads, kReadParallelMinBytes, [&](int64_t b, std::vector<Piece>* ps) {
+  for_blocks(total, block, num_threads, kReadParallelMinBytes, [&](int64_t b, std::vector<ByteSpan>* ps) {
     if (err.load(std::memory_order_relaxed) || short_read.load(std::memory_order_relaxed)) return;
     const int64_t lo = b * block;
     s.pieces(lo, std::min(total, lo + block), ps);
@@ -146,7 +126,7 @@ bool read_blocks_hashed(int fd, int64_t offset, const int64_t* addr, const int64
       err = e.code().value();
       return;
     }
-    digests[b] = hash_pieces(*ps);
+    digests[b] = xxh3_64(ps->data(), ps->size());
   });
   if (err.load()) throw std::system_error(err.load(), std::generic_category(), "preadv");
   return !short_read.load();

@@ -22,21 +22,8 @@ void segcopy_cpu(const int64_t* src, const int64_t* dst, const int64_t* nbytes,
 void segcopy_cuda(const int64_t* src, const int64_t* dst, const int64_t* nbytes,
                   int64_t n, std::uintptr_t stream);
 
-// Standard XXH64 (https://github.com/Cyan4973/xxHash/blob/dev/doc/xxhash_spec.md).
+// Standard XXH64 (the vendored reference, see xxhash.cpp).
 uint64_t xxh64(const void* data, std::size_t len, uint64_t seed);
-
-// XXH64 fed in pieces; digest() equals xxh64() of the pieces concatenated.
-class Xxh64Stream {
- public:
-  explicit Xxh64Stream(uint64_t seed);
-  void update(const void* data, std::size_t len);
-  uint64_t digest() const;
-
- private:
-  uint64_t v1_, v2_, v3_, v4_, seed_, total_ = 0;
-  unsigned char buf_[32];
-  std::size_t buffered_ = 0;
-};
 
 // A read-only byte range.
 struct ByteSpan {
@@ -44,7 +31,7 @@ struct ByteSpan {
   std::size_t len;
 };
 
-// XXH3-64 (seed 0, default secret) of the spans concatenated; see xxh3.cpp.
+// XXH3-64 (seed 0, default secret) of the spans concatenated; see xxhash.cpp.
 uint64_t xxh3_64(const ByteSpan* spans, std::size_t n);
 // "avx2" or "baseline": the code xxh3_64 runs on this CPU.
 const char* xxh3_isa();

@@ -60,14 +60,6 @@ uint64_t xxh64(std::uintptr_t ptr, int64_t nbytes, uint64_t seed) {
 
 std::string xxh3_isa() { return flashrt::xxh3_isa(); }
 
-uint64_t xxh3(std::uintptr_t ptr, int64_t nbytes) {
-  if (nbytes < 0) throw std::invalid_argument("nbytes must be >= 0");
-  if (nbytes > 0 && ptr == 0) throw std::invalid_argument("null pointer");
-  const ByteSpan span{reinterpret_cast<const void*>(ptr), static_cast<std::size_t>(nbytes)};
-  py::gil_scoped_release nogil;
-  return flashrt::xxh3_64(&span, 1);
-}
-
 namespace {
 
 // Segment addresses inside [base, base + size) from offsets; rejects what would

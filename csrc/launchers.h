@@ -24,7 +24,6 @@ void copy_segments_cuda(const Int64Array& src, const Int64Array& dst, const Int6
                         std::uintptr_t stream);
 #endif
 uint64_t xxh64(std::uintptr_t ptr, int64_t nbytes, uint64_t seed);
-uint64_t xxh3(std::uintptr_t ptr, int64_t nbytes);
 std::string xxh3_isa();
 // XXH3-64 of the parts (bytes-like, contiguous) concatenated, without joining them.
 uint64_t xxh3_parts(const std::vector<pybind11::buffer>& parts);

@@ -3,10 +3,10 @@
 // former, while the latter needs several cores to approach memory bandwidth.
 #include "flashrt.h"
 #include "pool.h"
+#include "segments.h"
 
 #include <algorithm>
 #include <cstring>
-#include <thread>
 #include <vector>
 
 namespace flashrt {
@@ -21,30 +21,20 @@ namespace {
 constexpr int64_t kParallelMinBytes = 512 << 10;
 constexpr int64_t kMinBytesPerThread = 256 << 10;
 
-// Copies global byte range [lo, hi) of the concatenated segments. `start` is
-// the exclusive prefix sum of segment sizes (n + 1 entries).
+// Copies stream byte range [lo, hi) of the concatenated segments.
 void copy_range(const int64_t* src, const int64_t* dst, const std::vector<int64_t>& start,
                 int64_t lo, int64_t hi) {
-  if (lo >= hi) return;
-  // Last segment starting at or before lo; empty segments share a start with
-  // their successor, so upper_bound skips them.
-  size_t i = std::upper_bound(start.begin(), start.end(), lo) - start.begin() - 1;
-  for (int64_t pos = lo; pos < hi; ++i) {
-    const int64_t off = pos - start[i];
-    const int64_t len = std::min(start[i + 1], hi) - pos;
-    if (len > 0)
-      std::memcpy(reinterpret_cast<char*>(dst[i]) + off,
-                  reinterpret_cast<const char*>(src[i]) + off, static_cast<size_t>(len));
-    pos += len;
-  }
+  for_each_piece(start, lo, hi, [&](size_t i, int64_t off, int64_t len) {
+    std::memcpy(reinterpret_cast<char*>(dst[i]) + off, reinterpret_cast<const char*>(src[i]) + off,
+                static_cast<size_t>(len));
+  });
 }
 
 }  // namespace
 
 void segcopy_cpu(const int64_t* src, const int64_t* dst, const int64_t* nbytes,
                  int64_t n, int num_threads) {
-  std::vector<int64_t> start(static_cast<size_t>(n) + 1, 0);
-  for (int64_t i = 0; i < n; ++i) start[i + 1] = start[i] + nbytes[i];
+  const std::vector<int64_t> start = segment_starts(nbytes, n);
   const int64_t total = start[n];
 
   if (num_threads <= 0) num_threads = host_cores();

@@ -1,5 +1,5 @@
 // XXH3-64 with AVX2 code; built only for x86-64 and called only on CPUs that
-// report AVX2 (see xxh3.cpp).
+// report AVX2 (see xxhash.cpp).
 #define FLASHRT_XXH3_BODY xxh3_64_avx2_body
 #include "xxh3_body.h"
 

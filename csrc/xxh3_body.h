@@ -1,4 +1,4 @@
-// Body of one XXH3-64 entry point, included by xxh3.cpp (baseline ISA) and
+// Body of one XXH3-64 entry point, included by xxhash.cpp (baseline ISA) and
 // xxh3_avx2.cpp (compiled with -mavx2): xxhash.h picks its vector code from
 // the compiler's target flags, so each file gets its own copy. XXH_INLINE_ALL
 // gives every xxhash function internal linkage: the two copies never clash.

@@ -1,6 +1,6 @@
 """Python face of the native extension ``flashrt._C``.
 
-Two services the runtime needs on its hot path:
+What the runtime needs from native code:
 
 * ``copy_segments`` / ``SegmentPlan``: copy many (src, dst) byte ranges at
   once. On CPU the extension splits the bytes over threads with the GIL
@@ -32,7 +32,7 @@ import torch
 
 # What this module calls in the extension; a build from older sources lacks some, and is
 # then not used (the bench scripts attach an installed build only if it has them all).
-NEEDS = ("copy_segments_cpu", "xxh64", "xxh3", "xxh3_parts", "xxh3_isa", "zero_spans",
+NEEDS = ("copy_segments_cpu", "xxh64", "xxh3_parts", "xxh3_isa", "zero_spans",
          "hash_blocks", "read_blocks_hashed", "has_cuda", "version")
 
 try:
@@ -315,8 +315,7 @@ _XXH3_SECRET = bytes.fromhex(
     "b8fe6c3923a44bbe7c01812cf721ad1cded46de9839097db7240a4a4b7b3671fcb79e64eccc0e578825ad07dccff7221"
     "b8084674f743248ee03590e6813a264c3c2852bb91c300cb88d0658b1b532ea371644897a20df94e3819ef46a9deacd8"
     "a8fa763fe39c343ff9dcbbc7c70b4f1d8a51e04bcdb45931c89f7ec9d9787364eac5ac8334d3ebc3c581a0fffa1363eb"
-    "170ddd51b7f0da49d3165526 29d4689e2b16be587d47a1fc8ff8b8d17ad031ce45cb3a8f95160428afd7fbcabb4b407e"
-    .replace(" ", ""))
+    "170ddd51b7f0da49d316552629d4689e2b16be587d47a1fc8ff8b8d17ad031ce45cb3a8f95160428afd7fbcabb4b407e")
 _P32_1, _P32_2, _P32_3 = 0x9E3779B1, 0x85EBCA77, 0xC2B2AE3D
 _MX1, _MX2 = 0x165667919E3779F9, 0x9FB21C651E98DF25
 
@@ -425,19 +424,11 @@ def xxh3(data) -> int:
     if isinstance(data, torch.Tensor):
         if data.device.type != "cpu" or not data.is_contiguous():
             raise ValueError("xxh3: tensor must be contiguous and in host memory")
-        if HAVE_EXT:
-            return _C.xxh3(data.data_ptr(), data.numel() * data.element_size())
-        _warn_fallback()
-        return _xxh3_py(data.reshape(-1).view(torch.uint8).numpy())
+        data = data.reshape(-1).view(torch.uint8).numpy()
     mv = memoryview(data)
     if not mv.c_contiguous:
         raise ValueError("xxh3: buffer must be C-contiguous")
-    mv = mv.cast("B")
-    if HAVE_EXT:
-        arr = np.frombuffer(mv, dtype=np.uint8)
-        return _C.xxh3(arr.ctypes.data if arr.size else 0, arr.size)
-    _warn_fallback()
-    return _xxh3_py(mv)
+    return xxh3_parts([mv.cast("B")])
 
 
 def xxh3_parts(parts) -> int:
@@ -454,16 +445,20 @@ def zero_spans(buf: torch.Tensor, offsets, nbytes) -> None:
     if HAVE_EXT:
         _C.zero_spans(buf.data_ptr(), buf.numel(), offsets, nbytes)
         return
-    if (offsets < 0).any() or (nbytes < 0).any() or (offsets + nbytes > buf.numel()).any():
-        raise ValueError("zero_spans: a span lies outside the buffer")
     for o, n in zip(offsets.tolist(), nbytes.tolist()):
         buf[o:o + n].zero_()
 
 
 def _spans(buf: torch.Tensor, offsets, nbytes, block: int, who: str):
+    """The spans as int64 arrays; the extension checks them itself, the fallbacks here."""
     if buf.device.type != "cpu" or buf.dtype != torch.uint8 or buf.dim() != 1 or not buf.is_contiguous():
         raise ValueError(f"{who}: the buffer must be a contiguous 1-D uint8 CPU tensor")
-    return np.ascontiguousarray(offsets, dtype=np.int64), np.ascontiguousarray(nbytes, dtype=np.int64)
+    offsets = np.ascontiguousarray(offsets, dtype=np.int64)
+    nbytes = np.ascontiguousarray(nbytes, dtype=np.int64)
+    if not HAVE_EXT and (block <= 0 or (offsets < 0).any() or (nbytes < 0).any()
+                         or (offsets + nbytes > buf.numel()).any()):
+        raise ValueError(f"{who}: bad block size or a span outside the buffer")
+    return offsets, nbytes
 
 
 def _blocks_py(buf: torch.Tensor, offsets, nbytes, block: int) -> bytes:
@@ -482,8 +477,6 @@ def hash_blocks(buf: torch.Tensor, offsets, nbytes, block: int) -> bytes:
     if HAVE_EXT:
         return _C.hash_blocks(buf.data_ptr(), buf.numel(), offsets, nbytes, block)
     _warn_fallback()
-    if block <= 0 or (offsets < 0).any() or (nbytes < 0).any() or (offsets + nbytes > buf.numel()).any():
-        raise ValueError("hash_blocks: bad block size or a span outside the buffer")
     return _blocks_py(buf, offsets, nbytes, block)
 
 
@@ -499,8 +492,6 @@ def read_blocks_hashed(f, file_offset: int, buf: torch.Tensor, offsets, nbytes,
         return _C.read_blocks_hashed(fd, file_offset, buf.data_ptr(), buf.numel(),
                                      offsets, nbytes, block)
     _warn_fallback()
-    if block <= 0 or (offsets < 0).any() or (nbytes < 0).any() or (offsets + nbytes > buf.numel()).any():
-        raise ValueError("read_blocks_hashed: bad block size or a span outside the buffer")
     mv, pos = memoryview(buf.numpy()), file_offset
     for o, n in zip(offsets.tolist(), nbytes.tolist()):
         got = os.preadv(fd, [mv[o:o + n]], pos) if n else 0

@@ -1,7 +1,7 @@
-// XXH3-64 (seed 0, default secret) from the vendored reference xxhash.h, so
-// digests equal every other XXH3 implementation's (flashrt.native._xxh3_py
-// is tested against this). AVX2 code is chosen at run time where the CPU has
-// it: 2.7x the baseline SSE2 speed on 256 KiB blocks (EPYC, in cache).
+// XXH64 and XXH3-64 from the vendored reference xxhash.h, so digests equal
+// every other implementation's (flashrt.native's Python fallbacks are tested
+// against these). XXH3 gets AVX2 code at run time where the CPU has it: 2.7x
+// the baseline SSE2 speed on 256 KiB blocks (EPYC, in cache).
 #define FLASHRT_XXH3_BODY xxh3_64_baseline
 #include "xxh3_body.h"
 
@@ -12,6 +12,8 @@ namespace detail {
 uint64_t xxh3_64_avx2(const ByteSpan* spans, std::size_t n);
 }  // namespace detail
 #endif
+
+uint64_t xxh64(const void* data, std::size_t len, uint64_t seed) { return XXH64(data, len, seed); }
 
 uint64_t xxh3_64(const ByteSpan* spans, std::size_t n) {
 #ifdef FLASHRT_XXH3_AVX2
