@@ -228,10 +228,12 @@ def _round(n: int) -> int:
     return (n + _ALIGN - 1) // _ALIGN * _ALIGN
 
 
-def copy_pairs(arena: Arena, cap: Capsule, entries, to_capsule: bool):
-    """(src, dst) byte views between arena and capsule; the fixed block is one pair."""
+def copy_pairs(arena: Arena, cap: Capsule, entries, to_capsule: bool, table=None):
+    """(src, dst) byte views between arena and capsule; the fixed block is one pair.
+    table: the capsule's whole entry table (default cap.entries; snapshot(into=) plans for the
+    table it is about to give the capsule)."""
     pairs, fixed = [], [e for e in entries if not e.seq]
-    if _fixed_block_ok(arena, cap, fixed):
+    if _fixed_block_ok(arena, cap, fixed, cap.entries if table is None else table):
         a = arena.data[arena.fixed_begin: arena.fixed_end]
         c = cap.data[: arena.fixed_end - arena.fixed_begin]
         pairs.append((a, c) if to_capsule else (c, a))
@@ -246,9 +248,9 @@ def copy_pairs(arena: Arena, cap: Capsule, entries, to_capsule: bool):
     return pairs
 
 
-def _fixed_block_ok(arena: Arena, cap: Capsule, fixed) -> bool:
+def _fixed_block_ok(arena: Arena, cap: Capsule, fixed, table) -> bool:
     """True when the capsule's fixed entries mirror the arena's fixed range byte for byte."""
-    if not fixed or len(fixed) != sum(1 for e in cap.entries if not e.seq):
+    if not fixed or len(fixed) != sum(1 for e in table if not e.seq):
         return False
     if cap.data.numel() < arena.fixed_end - arena.fixed_begin:
         return False
@@ -294,11 +296,7 @@ def snapshot_arena(arena: Arena, position: int, meta: CapsuleMeta, into: Capsule
         if cap.data.numel() < need:
             raise CapsuleMismatchError(f"snapshot(into=): capsule buffer holds {cap.data.numel()} B, "
                                        f"this state needs {need} B")
-        old = cap.entries
-        cap.entries = entries                      # copy_pairs reads the fixed layout from it
-        pairs = copy_pairs(arena, cap, entries, to_capsule=True)
-        cap.entries = old
-        return entries, SegmentPlan(pairs)
+        return entries, SegmentPlan(copy_pairs(arena, cap, entries, to_capsule=True, table=entries))
 
     entries, seg = _cached_plan(cap, arena, ("snap", position, fixed_only, row0), build)
     cap.entries, cap.meta = entries, meta
