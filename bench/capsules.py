@@ -270,9 +270,12 @@ def bench_arch(arch, a, tmp, tables, quick_note):
                   "the three cases interleaved round by round, caches flushed (128 MiB written) "
                   "before every sample"]
     dsk.notes += ["save = block checksums (all cores) + header + one gathered write + fsync + "
-                  "atomic rename + directory fsync; load(into) = header parse + positioned reads "
-                  "of 256 KiB blocks on all cores, each hashed as it lands, into a capsule "
-                  "allocated once (rt.empty_capsule()); load() fresh allocates its buffer per call",
+                  "atomic rename + directory fsync; load(into) = into a capsule allocated once "
+                  "(rt.empty_capsule()) that holds the file's entry table from an earlier load: "
+                  "one native call reads the header, parses the metadata, reads the payload in "
+                  "256 KiB blocks (on all cores from 12 MiB), each hashed as it lands, and checks "
+                  "the file checksum; load() fresh parses the table in Python and allocates its "
+                  "buffer per call",
                   "plain = write + fsync of the same bytes / readinto a preallocated buffer; "
                   "atomic write = the crash-safe floor: write a temp file + fsync + rename + "
                   "directory fsync; ratio = flashrt / plain ('!' > 1.5x at >= 1 MiB), vs atomic = "

@@ -62,14 +62,22 @@ def attach_native() -> str | None:
                 spec.loader.exec_module(mod)
             except ImportError:
                 continue
-            # what flashrt.native calls (its NEEDS; that module cannot be imported yet)
-            if all(hasattr(mod, n) for n in (
-                    "copy_segments_cpu", "xxh64", "xxh3_parts", "xxh3_isa", "zero_spans",
-                    "hash_blocks", "read_blocks_hashed", "has_cuda", "version")):
+            if all(hasattr(mod, n) for n in _native_needs()):
                 sys.modules["flashrt._C"] = mod
                 flashrt._C = mod
                 return so
     return None
+
+
+def _native_needs() -> tuple:
+    """flashrt.native.NEEDS (what it calls in the extension), read from its source: importing
+    that module would bind it to the source tree's missing extension."""
+    import ast
+    tree = ast.parse((ROOT / "flashrt" / "native.py").read_text())
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "NEEDS" for t in node.targets):
+            return ast.literal_eval(node.value)
+    raise RuntimeError("flashrt/native.py defines no NEEDS")
 
 
 _NATIVE_FROM = attach_native()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import threading
 import weakref
+from types import MappingProxyType
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -18,6 +19,7 @@ from flashrt.errors import CapsuleConsumedError, CapsuleMismatchError
 from flashrt.native import SegmentPlan, copy_segments
 
 _ALIGN = 64
+_NO_ENTRIES = ((), MappingProxyType({}), 0, frozenset(), False)   # what an emptied capsule derives
 
 _DTYPES = {str(d).replace("torch.", ""): d for d in (
     torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.uint8,
@@ -80,6 +82,7 @@ class Capsule:
         self._file_table = None
         # (entries, header parts, spans) of the last save: saving the same table again skips them
         self._header_parts = None
+        self._host_span = None            # (data_ptr, numel) once a load(into=) checked the buffer
 
     # The entry table is immutable; what is derived from it is computed when it is replaced.
     @property
@@ -90,13 +93,14 @@ class Capsule:
     def entries(self, entries) -> None:
         if entries is getattr(self, "_entries", None):
             return                        # snapshot(into=) at a cached position: same table
+        if not entries:                   # emptied (a load about to write): keep the last table's
+            self._entries, self._by_name, self._nbytes, self._kinds, self._is_delta = _NO_ENTRIES
+            return
         derived = getattr(self, "_derived", None)
         if derived is None or entries is not derived[0]:
             t = tuple(entries)
-            derived = (t, {e.name: e for e in t}, sum(e.nbytes for e in t),
-                       frozenset(e.kind for e in t), any(e.row0 for e in t))
-            if t:                         # emptying (a refused load) keeps the last table's
-                self._derived = derived
+            derived = self._derived = (t, {e.name: e for e in t}, sum(e.nbytes for e in t),
+                                       frozenset(e.kind for e in t), any(e.row0 for e in t))
         self._entries, self._by_name, self._nbytes, self._kinds, self._is_delta = derived
 
     # ---- public properties --------------------------------------------------------------
@@ -179,14 +183,12 @@ class Capsule:
         return out
 
     def save(self, path) -> None:
-        from .format import save_capsule
-        save_capsule(self, path)
+        _format.save_capsule(self, path)
 
     @staticmethod
     def load(path, device="cpu", into: "Capsule | None" = None) -> "Capsule":
         """Read a capsule file (checksum verified). into: reuse that host capsule's buffer."""
-        from .format import load_capsule
-        return load_capsule(path, device, into)
+        return _format.load_capsule(path, device, into)
 
     # ---- single use ---------------------------------------------------------------------
     def claim(self) -> None:
@@ -378,3 +380,6 @@ def _check_entries(cap: Capsule, arena: Arena) -> None:
                                        f"{e.row0 + e.shape[0]}), position is {cap.position}")
         if e.offset + e.nbytes > cap.data.numel():
             raise CapsuleMismatchError(f"capsule buffer {e.name!r} lies outside the capsule data")
+
+
+from . import format as _format   # noqa: E402  (format builds on the classes above)

@@ -29,7 +29,8 @@ import numpy as np
 import torch
 
 from flashrt.errors import CapsuleCorruptError, CapsuleMismatchError
-from flashrt.native import hash_blocks, read_blocks_hashed, xxh3_parts, zero_spans
+from flashrt.native import (hash_blocks, load_known_table, read_blocks_hashed, xxh3_parts,
+                            zero_spans)
 
 from .capsule import Capsule, CapsuleMeta, Entry
 
@@ -41,12 +42,15 @@ _ALIGN = 64                 # capsule buffer size granularity (matches capsule.p
 _SLACK = 4096               # most padding one entry may leave before it (arena ALIGN is 256)
 _ST_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16", "int64": "I64",
               "int32": "I32", "uint8": "U8", "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2"}
+_O_READ = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
 _FIRST_READ = 64 << 10     # first read: the length prefix and the header of most capsules
 _IOV_MAX = 1024            # buffers per writev (Linux IOV_MAX)
 _MD_PREFIX = '{"__metadata__":'   # save writes the metadata first
 _DECODER = json.JSONDecoder()
 _META_KEYS = ("format", "version", "hash", "position", "fingerprint", "provenance", "kinds", "tokens",
               "parent", "single_use", "extra", "entries", "checksum")
+_META_KEY_SET = frozenset(_META_KEYS)
+_FIXED = (("format", MAGIC), ("version", VERSION), ("hash", HASH))   # what _check requires
 
 
 def _js(x) -> str:
@@ -210,35 +214,51 @@ def _table(path, text: str, known: "_Table | None") -> _Table:
                   np.array([a for a, _ in gaps], np.int64), np.array([b - a for a, b in gaps], np.int64))
 
 
-def _parse(path, head: bytes, data_bytes: int, known: _Table | None = None):
-    """(table, meta, tokens JSON, stored checksum) from a header. Only the metadata is parsed:
-    the safetensors tensor table after it restates the entries for other readers, and is
-    covered by the checksum like every other header byte."""
-    text = head.decode("ascii")
-    if not text.startswith(_MD_PREFIX):
-        raise CapsuleCorruptError(f"{path}: no leading __metadata__ table: not a FlashRT capsule")
-    md, _ = _DECODER.raw_decode(text, len(_MD_PREFIX))
-    if not isinstance(md, dict):
-        raise CapsuleCorruptError(f"{path}: __metadata__ is not a table: not a FlashRT capsule")
+def _check(path, md) -> None:
+    """The metadata's format, version, keys and checksum scheme are the ones this build reads."""
     if md.get("format") != MAGIC:
         raise CapsuleCorruptError(f"{path}: not a FlashRT capsule: format is {md.get('format')!r}, "
                                   f"expected {MAGIC!r}")
     if md.get("version") != VERSION:
         raise CapsuleCorruptError(f"{path}: unsupported capsule format version "
                                   f"{md.get('version')!r} (this build reads {VERSION!r})")
-    if sorted(md) != sorted(_META_KEYS):
+    if md.keys() != _META_KEY_SET:
         raise CapsuleCorruptError(f"{path}: metadata keys {sorted(md)} != {sorted(_META_KEYS)}")
     if md["hash"] != HASH:
         raise CapsuleCorruptError(f"{path}: unsupported checksum scheme {md['hash']!r} "
                                   f"(this build reads {HASH!r})")
+
+
+def _json(s: str):
+    """json.loads for what save wrote (compact, no surrounding space), minus its wrapper's
+    whitespace regexes: five per load."""
+    obj, end = _DECODER.raw_decode(s)
+    if end != len(s):
+        raise ValueError(f"extra data after JSON value at {end}")
+    return obj
+
+
+def _meta(md) -> CapsuleMeta:
+    return CapsuleMeta(int(md["position"]), _json(md["fingerprint"]), _json(md["provenance"]),
+                       _json(md["parent"]), _json(md["single_use"]), _json(md["extra"]))
+
+
+def _parse(path, head: bytes, data_bytes: int, known: _Table | None = None):
+    """(table, meta, tokens JSON, stored checksum) from a header. Only the metadata is parsed: the
+    safetensors tensor table after it restates the entries for other readers, and is covered
+    by the checksum like every other header byte."""
+    text = head.decode("ascii")
+    if not text.startswith(_MD_PREFIX):
+        raise CapsuleCorruptError(f"{path}: no leading __metadata__ table: not a FlashRT capsule")
+    md, _ = _DECODER.raw_decode(text, len(_MD_PREFIX))
+    if not isinstance(md, dict):
+        raise CapsuleCorruptError(f"{path}: __metadata__ is not a table: not a FlashRT capsule")
+    _check(path, md)
     table = _table(path, md["entries"], known)
     if table.data_bytes != data_bytes:
         raise CapsuleCorruptError(f"{path}: entries hold {table.data_bytes} B but the file's data "
                                   f"region is {data_bytes} B (truncated or trailing bytes)")
-    meta = CapsuleMeta(int(md["position"]), json.loads(md["fingerprint"]),
-                       json.loads(md["provenance"]), json.loads(md["parent"]),
-                       json.loads(md["single_use"]), json.loads(md["extra"]))
-    return table, meta, md["tokens"], md["checksum"]
+    return table, _meta(md), md["tokens"], md["checksum"]
 
 
 def load_capsule(path, device="cpu", into: Capsule | None = None) -> Capsule:
@@ -248,9 +268,9 @@ def load_capsule(path, device="cpu", into: Capsule | None = None) -> Capsule:
     returned holding the file's capsule. A file refused once its bytes started landing leaves it
     holding no capsule (no entries, an empty fingerprint), so it is never restored half-written;
     one refused earlier (header) leaves it untouched."""
-    if into is not None and into.device.type != "cpu":
+    if into is not None and not into.data.is_cpu:
         raise ValueError(f"load(into=): the target capsule must be in host memory, not {into.device}")
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))   # missing: FileNotFoundError
+    fd = os.open(path, _O_READ)   # missing: FileNotFoundError
     try:
         cap = _load(fd, path, into)
     except (struct.error, ValueError, KeyError, TypeError, IndexError, RecursionError) as e:
@@ -259,10 +279,14 @@ def load_capsule(path, device="cpu", into: Capsule | None = None) -> Capsule:
                                   f"({type(e).__name__}: {e})") from e
     finally:
         os.close(fd)
-    return cap.to(device)
+    return cap if device == "cpu" else cap.to(device)
 
 
 def _load(fd: int, path, into: Capsule | None = None) -> Capsule:
+    if into is not None and into._file_table is not None:
+        cap = _load_known(fd, path, into, into._file_table)
+        if cap is not None:
+            return cap
     size = os.fstat(fd).st_size
     first = os.pread(fd, _FIRST_READ, 0)      # the length prefix and, usually, the whole header
     if len(first) < 8:
@@ -302,6 +326,10 @@ def _load(fd: int, path, into: Capsule | None = None) -> Capsule:
         raise CapsuleCorruptError(f"{path}: truncated while reading the entries")
     if _checksum(header, at, digests) != stored:
         raise CapsuleCorruptError(f"{path}: checksum mismatch (stored {stored})")
+    return _filled(into, data, table, meta)
+
+
+def _filled(into: Capsule | None, data, table: _Table, meta: CapsuleMeta) -> Capsule:
     if into is None:
         cap = Capsule(data, table.entries, meta)
     else:
@@ -311,3 +339,29 @@ def _load(fd: int, path, into: Capsule | None = None) -> Capsule:
         cap.generation += 1
     cap._file_table = table
     return cap
+
+
+def _load_known(fd: int, path, into: Capsule, table: _Table) -> Capsule | None:
+    """A file with the table `into` last loaded (a session reloading its capsules), in one
+    native call: at 1-4 MiB the per-file Python work cost as much as reading the bytes. None:
+    the file is for the general reader (no extension, a header not as save writes it, another
+    table or format); `into` is then as before."""
+    span = into._host_span
+    if span is None:      # the buffer never moves: checked and kept once
+        d = into.data
+        if d.dtype != torch.uint8 or d.dim() != 1 or not d.is_contiguous():
+            raise ValueError("load(into=): the capsule buffer is not a contiguous 1-D uint8 tensor")
+        span = into._host_span = (d.data_ptr(), d.numel())
+    saved = into.entries, into.meta
+    into.entries, into.meta = (), CapsuleMeta(0, {}, {})   # emptied before any byte lands
+    res = load_known_table(fd, _META_KEYS, (*_FIXED, ("entries", table.text)), *span,
+                           table.offsets, table.nbytes, table.gap_offsets, table.gap_nbytes, _BLOCK)
+    if res is None or res[0] == "not_fast":
+        into.entries, into.meta = saved
+        return None
+    status, md = res
+    if status == "short":
+        raise CapsuleCorruptError(f"{path}: truncated while reading the entries")
+    if status == "mismatch":
+        raise CapsuleCorruptError(f"{path}: checksum mismatch (stored {md['checksum']})")
+    return _filled(into, into.data, table, _meta(md))

@@ -43,6 +43,14 @@ PYBIND11_MODULE(_C, m) {
         py::arg("nbytes"), py::arg("block"), py::arg("num_threads") = 0,
         "Read the stream from fd at file_offset into the spans and return what hash_blocks "
         "would return for them, or None when the file ends first. OSError on a read error.");
+  m.def("load_known_table", &flashrt::launch::load_known_table, py::arg("fd"), py::arg("keys"),
+        py::arg("fixed"), py::arg("base"), py::arg("size"), py::arg("offsets"), py::arg("nbytes"),
+        py::arg("gap_offsets"), py::arg("gap_nbytes"), py::arg("block"), py::arg("num_threads") = 0,
+        "Load a capsule file whose metadata has exactly `keys`, with the (key, value) pairs "
+        "`fixed` (its 'entries' the table the spans were derived from), into the spans (payload "
+        "in file order) of [base, base + size), zeroing the gap spans and verifying the block "
+        "checksums and the file checksum: (status, metadata dict or None), status 'loaded', "
+        "'short', 'mismatch' or 'not_fast' (nothing written; read it the general way).");
   m.def("has_cuda", [] {
 #ifdef FLASHRT_WITH_CUDA
     return true;

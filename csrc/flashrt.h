@@ -7,6 +7,8 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <string>
+#include <vector>
 
 namespace flashrt {
 
@@ -50,5 +52,30 @@ void hash_blocks(const int64_t* addr, const int64_t* nbytes, int64_t n, int64_t 
 // throws std::system_error on a read error.
 bool read_blocks_hashed(int fd, int64_t offset, const int64_t* addr, const int64_t* nbytes,
                         int64_t n, int64_t block, uint64_t* digests, int num_threads);
+
+// A capsule file's metadata: its string-valued keys in file order.
+struct MetadataItem {
+  std::string key, value;
+};
+
+enum class KnownLoad {
+  kLoaded,    // payload in the segments, checksum verified; *md holds the metadata
+  kNotFast,   // header not in the form save writes, other keys or values than expected, or
+              // sizes that differ: nothing written, the general reader takes the file
+  kShort,     // the file ended inside the payload (*md parsed; buffer partly written)
+  kMismatch,  // checksum mismatch (*md parsed; buffer written)
+};
+
+// Loads a capsule file (format 2, see capsules/format.py) whose metadata has
+// exactly the keys `keys`, with the values `fixed` for some of them: among
+// those the "entries" table the segments (the payload stream in file order)
+// and the gaps (zeroed) were derived from. Anything else about the header is
+// kNotFast, before a byte is written. Reads with pread (the descriptor's
+// offset is untouched); throws std::system_error on I/O errors.
+KnownLoad load_known_table(int fd, const std::vector<std::string>& keys,
+                           const std::vector<MetadataItem>& fixed, const int64_t* addr,
+                           const int64_t* nbytes, int64_t n, const int64_t* gap_addr,
+                           const int64_t* gap_nbytes, int64_t ngaps, int64_t block,
+                           int num_threads, std::vector<MetadataItem>* md);
 
 }  // namespace flashrt

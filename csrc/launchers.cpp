@@ -162,5 +162,41 @@ py::object read_blocks_hashed(int fd, int64_t file_offset, std::uintptr_t base, 
   return digest_bytes(d);
 }
 
+// (status, metadata dict or None); see launchers.h.
+py::tuple load_known_table(int fd, const std::vector<std::string>& keys,
+                           const std::vector<std::pair<std::string, std::string>>& fixed,
+                           std::uintptr_t base, int64_t size,
+                           const Int64Array& offsets, const Int64Array& nbytes,
+                           const Int64Array& gap_offsets, const Int64Array& gap_nbytes,
+                           int64_t block, int num_threads) {
+  if (fd < 0) throw std::invalid_argument("load_known_table: bad file descriptor");
+  const auto addr = spans_to_addresses(base, size, offsets, nbytes, block, "load_known_table");
+  const auto gaps = spans_to_addresses(base, size, gap_offsets, gap_nbytes, 1, "load_known_table gaps");
+  std::vector<MetadataItem> want, md;
+  for (const auto& kv : fixed) want.push_back({kv.first, kv.second});
+  KnownLoad r = KnownLoad::kNotFast;
+  int err = 0;
+  {
+    py::gil_scoped_release nogil;
+    try {
+      r = flashrt::load_known_table(fd, keys, want, addr.data(), nbytes.data(), nbytes.shape(0),
+                                    gaps.data(), gap_nbytes.data(), gap_nbytes.shape(0), block,
+                                    num_threads, &md);
+    } catch (const std::system_error& e) {
+      err = e.code().value();
+    }
+  }
+  if (err) {  // with the GIL again: surface as OSError(errno)
+    errno = err;
+    PyErr_SetFromErrno(PyExc_OSError);
+    throw py::error_already_set();
+  }
+  static const char* const names[] = {"loaded", "not_fast", "short", "mismatch"};
+  if (r == KnownLoad::kNotFast) return py::make_tuple(names[1], py::none());
+  py::dict d;
+  for (const MetadataItem& m : md) d[py::str(m.key)] = py::str(m.value);
+  return py::make_tuple(names[static_cast<int>(r)], d);
+}
+
 }  // namespace launch
 }  // namespace flashrt

@@ -35,6 +35,19 @@ pybind11::bytes hash_blocks(std::uintptr_t base, int64_t size, const Int64Array&
 pybind11::object read_blocks_hashed(int fd, int64_t file_offset, std::uintptr_t base, int64_t size,
                                     const Int64Array& offsets, const Int64Array& nbytes,
                                     int64_t block, int num_threads);
+// A capsule file whose metadata has exactly `keys`, `fixed` among them with
+// those values (its "entries" table the one the spans and gaps were derived
+// from), read in one call: ("loaded", metadata dict) with the payload in the
+// buffer and its checksum verified; ("short" | "mismatch", metadata dict) when
+// the payload is truncated or fails the checksum (buffer written);
+// ("not_fast", None) with nothing written when the header is not in the form
+// save writes or differs from what is expected. OSError on I/O errors.
+pybind11::tuple load_known_table(int fd, const std::vector<std::string>& keys,
+                                 const std::vector<std::pair<std::string, std::string>>& fixed,
+                                 std::uintptr_t base, int64_t size,
+                                 const Int64Array& offsets, const Int64Array& nbytes,
+                                 const Int64Array& gap_offsets, const Int64Array& gap_nbytes,
+                                 int64_t block, int num_threads);
 
 }  // namespace launch
 }  // namespace flashrt

@@ -15,6 +15,9 @@ What the runtime needs from native code:
   XXH3-64 per fixed-size block of a byte stream given as spans of a buffer;
   blocks are hashed on all cores, and a reader hashes each block right after
   reading it, while it is still in cache (capsule load walks the payload once).
+* ``load_known_table``: a whole capsule load (header, metadata, payload and
+  checksums) in one call, for a file whose entry table the target already
+  holds; no fallback (the general reader in capsules/format.py does the same).
 
 Without the extension every function still works through torch copies and
 pure Python, after a single warning naming the import error.
@@ -33,7 +36,7 @@ import torch
 # What this module calls in the extension; a build from older sources lacks some, and is
 # then not used (the bench scripts attach an installed build only if it has them all).
 NEEDS = ("copy_segments_cpu", "xxh64", "xxh3_parts", "xxh3_isa", "zero_spans",
-         "hash_blocks", "read_blocks_hashed", "has_cuda", "version")
+         "hash_blocks", "read_blocks_hashed", "load_known_table", "has_cuda", "version")
 
 try:
     from . import _C
@@ -50,7 +53,8 @@ HAVE_EXT: bool = _C is not None
 HAVE_CUDA_EXT: bool = HAVE_EXT and bool(_C.has_cuda())
 
 __all__ = ["HAVE_EXT", "HAVE_CUDA_EXT", "ext_status", "SegmentPlan", "copy_segments", "xxh64",
-           "xxh3", "xxh3_parts", "zero_spans", "hash_blocks", "read_blocks_hashed"]
+           "xxh3", "xxh3_parts", "zero_spans", "hash_blocks", "read_blocks_hashed",
+           "load_known_table"]
 
 Pair = Tuple[torch.Tensor, torch.Tensor]
 
@@ -502,3 +506,26 @@ def read_blocks_hashed(f, file_offset: int, buf: torch.Tensor, offsets, nbytes,
             got += more
         pos += n
     return _blocks_py(buf, offsets, nbytes, block)
+
+
+def load_known_table(fd: int, keys, fixed, base: int, size: int, offsets, nbytes, gap_offsets,
+                     gap_nbytes, block: int):
+    """A capsule file read into the host buffer [base, base + size) in one native call (header,
+    metadata, payload with its block checksums, file checksum) when its metadata has exactly
+    `keys` and the (key, value) pairs `fixed`, among them the "entries" table the payload spans
+    (int64 arrays offsets, nbytes: buffer offsets in file order) and the gap spans were derived
+    from. Returns (status, metadata):
+
+    * ("loaded", md): payload in the buffer, gaps zeroed, checksum verified;
+    * ("short", md) / ("mismatch", md): the payload ended early / failed the checksum; the
+      buffer was written;
+    * ("not_fast", None): the header is not in the form save writes, or differs from what is
+      expected; nothing was written, and the caller reads the file the general way.
+
+    None without the extension (the general reader does it all). The extension bounds every
+    span by the buffer and takes int64 arrays only, so the tables go as they are: this is
+    called once per load."""
+    if not HAVE_EXT:
+        return None
+    return _C.load_known_table(fd, keys, fixed, base, size, offsets, nbytes, gap_offsets,
+                               gap_nbytes, block)

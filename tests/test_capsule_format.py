@@ -1,5 +1,6 @@
 """Capsule files (capsules/format.py): round trip, safetensors compatibility, damage detection,
 atomic replacement. Capsules are built by hand so no model is needed (one test uses qwen3 tiny)."""
+import json
 import os
 import random
 import struct
@@ -10,6 +11,7 @@ import safetensors.torch
 import torch
 
 import flashrt.capsules.format as fmt
+import flashrt.native as fmt_native
 from flashrt.arena import CAPSULE_KINDS
 from flashrt.capsules.capsule import Capsule, CapsuleMeta, Entry, dtype_from_name
 from flashrt.errors import CapsuleCorruptError
@@ -307,3 +309,133 @@ def test_save_after_snapshot_into_at_another_position(runtime, tmp_path):
 
 def _capsule_state_of(cap):
     return torch.cat([cap.raw(e) for e in cap.entries])
+
+
+# ---- load(into=) of a file with the target's table: one native call ------------------------------
+needs_ext = pytest.mark.skipif(not fmt_native.HAVE_EXT, reason="the one-call load is native only")
+
+
+@pytest.fixture
+def fast_statuses(monkeypatch):
+    """Statuses the native one-call load returned, in order."""
+    seen, real = [], fmt.load_known_table
+
+    def spy(*a):
+        r = real(*a)
+        seen.append(None if r is None else r[0])
+        return r
+    monkeypatch.setattr(fmt, "load_known_table", spy)
+    return seen
+
+
+def ascii_capsule(position=5, seed=0, extra=None) -> Capsule:
+    """make_capsule with metadata the native reader takes (no \\u escapes in the header)."""
+    cap = make_capsule(position, seed)
+    cap.meta = CapsuleMeta(position, dict(cap.meta.fingerprint), {"device": "cpu", "threads": 2},
+                           extra=extra if extra is not None else {"k": [1, 2.5, None]})
+    return cap
+
+
+def _target(cap) -> Capsule:
+    return Capsule(torch.full((cap.data.numel() + 512,), 7, dtype=torch.uint8), [], CapsuleMeta(0, {}, {}))
+
+
+@needs_ext
+def test_load_into_same_table_takes_the_native_path(tmp_path, fast_statuses):
+    """The second load into a target goes through the native reader and gives what the general
+    reader gives, escapes in the metadata included; a header in a form save never writes goes
+    back to the general reader."""
+    tricky = {"s": 'quote " backslash \\ slash / \n\t\r\b\f \x01 end', "k": [1, 2.5, None]}
+    caps = [ascii_capsule(), ascii_capsule(seed=3, extra=tricky), ascii_capsule(seed=4)]
+    for i, c in enumerate(caps):
+        c.save(tmp_path / f"{i}.capsule")
+    target = _target(caps[0])
+    for i, c in enumerate(caps):
+        got = Capsule.load(tmp_path / f"{i}.capsule", into=target)
+        assert got is target
+        assert_same(c, got)
+        assert_same(Capsule.load(tmp_path / f"{i}.capsule"), got)      # the general reader agrees
+        assert torch.equal(got.data[: c.data.numel()], c.data)          # gaps zeroed
+    assert fast_statuses == ["loaded", "loaded"]    # the first load parsed the table in Python
+    # The same file with an escape save never writes: valid JSON, and a valid checksum, that the
+    # native reader leaves to the general one
+    raw = _with_header_replaced((tmp_path / "1.capsule").read_bytes(), b'"hash":"xxh3/', b'"hash":"\\u0078xh3/')
+    (tmp_path / "escaped.capsule").write_bytes(raw)
+    assert_same(caps[1], Capsule.load(tmp_path / "escaped.capsule", into=target))
+    assert fast_statuses[-1] == "not_fast"
+    assert_same(caps[2], Capsule.load(tmp_path / "2.capsule", into=target))
+    assert fast_statuses[-1] == "loaded"
+
+
+def _with_header_replaced(raw: bytes, old: bytes, new: bytes) -> bytes:
+    """A capsule file with `old` replaced by `new` in its header and the checksum recomputed."""
+    n = struct.unpack("<Q", raw[:8])[0]
+    body, payload = raw[8:8 + n].rstrip(b" "), raw[8 + n:]
+    stored = json.loads(body)["__metadata__"]["checksum"]
+    assert body.count(old) == 1
+    body = body.replace(f'"checksum":"{stored}"'.encode(), b'"checksum":"' + b"0" * 16 + b'"')
+    body = body.replace(old, new)
+    body += b" " * (-len(body) % 8)
+    header = struct.pack("<Q", len(body)) + body
+    at = fmt._value_at(header, "0" * 16)
+    buf = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    digests = fmt_native.hash_blocks(buf, [0], [len(payload)], fmt._BLOCK)
+    return header[:at] + fmt._checksum(header, at, digests).encode() + header[at + 16:] + payload
+
+
+@needs_ext
+def test_native_path_detects_every_flipped_byte(tmp_path, fast_statuses):
+    """Damage anywhere is refused when the target already holds the file's table, and a refusal
+    leaves it either untouched (header refused before any byte landed) or holding no capsule."""
+    cap = ascii_capsule()
+    path = tmp_path / "c.capsule"
+    cap.save(path)
+    target = _target(cap)
+    Capsule.load(path, into=target)
+    raw = path.read_bytes()
+    hlen = 8 + struct.unpack("<Q", raw[:8])[0]
+    rng = random.Random(2)
+    fd = os.open(path, os.O_RDWR)
+    positions = [(i, 1 << rng.randrange(8)) for i in range(hlen)]
+    positions += [(rng.randrange(hlen, len(raw)), rng.randrange(1, 256)) for _ in range(200)]
+    try:
+        for i, mask in positions:
+            os.pwrite(fd, bytes([raw[i] ^ mask]), i)
+            with pytest.raises(CapsuleCorruptError):
+                Capsule.load(path, into=target)
+            assert target.entries in ((), cap.entries), i
+            if target.entries:
+                assert_same(cap, target)
+            os.pwrite(fd, raw[i:i + 1], i)
+            if not target.entries:
+                Capsule.load(path, into=target)      # holds the file again for the next flip
+    finally:
+        os.close(fd)
+    assert {"mismatch", "not_fast"} <= set(fast_statuses)   # both refusal routes were taken
+    assert_same(cap, Capsule.load(path, into=target))
+    assert fast_statuses[-1] == "loaded"
+
+
+@needs_ext
+def test_native_path_refusals_name_the_problem(tmp_path, monkeypatch, fast_statuses):
+    cap = ascii_capsule()
+    path = tmp_path / "c.capsule"
+    cap.save(path)
+    target = _target(cap)
+    Capsule.load(path, into=target)
+    raw = path.read_bytes()
+    bad = tmp_path / "bad.capsule"
+    for data, match in [(raw[:-1], "data region"), (raw + b"x", "data region"),
+                        (raw[:-3] + bytes([raw[-3] ^ 4]) + raw[-2:], "checksum mismatch")]:
+        bad.write_bytes(data)
+        with pytest.raises(CapsuleCorruptError, match=match):
+            Capsule.load(bad, into=target)
+    with monkeypatch.context() as m:      # consistent files that differ in format fields only
+        m.setattr(fmt, "VERSION", "3")
+        cap.save(tmp_path / "v3")
+    target = _target(cap)
+    Capsule.load(path, into=target)
+    with pytest.raises(CapsuleCorruptError, match="version '3'"):
+        Capsule.load(tmp_path / "v3", into=target)
+    assert_same(cap, target)              # refused on its header: untouched
+    assert fast_statuses[-1] == "not_fast"

@@ -389,6 +389,30 @@ def test_block_spans_outside_the_buffer_are_refused(backend, tmp_path):
         native.hash_blocks(buf.float(), np.array([0]), np.array([1]), 16)
 
 
+@pytest.mark.skipif(not native.HAVE_EXT, reason="load_known_table is native only")
+def test_load_known_table_refuses_spans_outside_the_buffer(tmp_path):
+    """The one-call capsule load bounds payload and gap spans by the buffer before reading."""
+    buf = torch.full((100,), 7, dtype=torch.uint8)
+    (tmp_path / "f").write_bytes(bytes(200))
+    fd = os.open(tmp_path / "f", os.O_RDONLY)
+    ok, none = np.array([0], np.int64), np.array([], np.int64)
+    try:
+        for (o, k), gaps in [(([95], [10]), (none, none)), ((ok, [10]), ([99], [2])),
+                             (([-1], [5]), (none, none)), ((ok, [-1]), (none, none))]:
+            with pytest.raises(ValueError, match="outside"):
+                native.load_known_table(fd, ["a"], [], buf.data_ptr(), buf.numel(),
+                                        np.array(o, np.int64), np.array(k, np.int64),
+                                        np.array(gaps[0], np.int64), np.array(gaps[1], np.int64), 16)
+        with pytest.raises(ValueError, match="file descriptor"):
+            native.load_known_table(-1, [], [], buf.data_ptr(), buf.numel(), ok, ok, none, none, 16)
+        # not a capsule: nothing written
+        assert native.load_known_table(fd, [], [], buf.data_ptr(), buf.numel(), ok,
+                                       np.array([10], np.int64), none, none, 16) == ("not_fast", None)
+    finally:
+        os.close(fd)
+    assert (buf == 7).all()
+
+
 def test_xxh64_input_kinds(backend):
     data = os.urandom(4099)
     want = native._xxh64_py(data, 3)
