@@ -220,6 +220,8 @@ def plan_entries(arena: Arena, position: int, row0: int = 0) -> tuple[list[Entry
         if s.spec.kind not in CAPSULE_KINDS or s.spec.seq_dim is None:
             continue
         r0 = 0 if s.spec.kind == "meta" else row0
+        if s.name == arena.after_fixed and r0 == 0 and entries:
+            off = s.offset - arena.fixed_begin    # mirrors the arena: see copy_pairs
         shape = (position - r0,) + tuple(s.spec.shape[1:])
         entries.append(Entry(s.name, s.spec.kind, dtype_name(s.spec.dtype), shape, off, True, r0))
         off = _round(off + shape[0] * s.spec.row_bytes)
@@ -234,17 +236,26 @@ def copy_pairs(arena: Arena, cap: Capsule, entries, to_capsule: bool, table=None
     """(src, dst) byte views between arena and capsule; the fixed block is one pair.
     table: the capsule's whole entry table (default cap.entries; snapshot(into=) plans for the
     table it is about to give the capsule)."""
-    pairs, fixed = [], [e for e in entries if not e.seq]
+    pairs, fixed, joined = [], [e for e in entries if not e.seq], None
     if _fixed_block_ok(arena, cap, fixed, cap.entries if table is None else table):
-        a = arena.data[arena.fixed_begin: arena.fixed_end]
-        c = cap.data[: arena.fixed_end - arena.fixed_begin]
+        end = arena.fixed_end - arena.fixed_begin
+        # the buffer laid out after the fixed range, at the same distance in the capsule: its
+        # rows join the fixed block's copy (the padding between goes along: nothing reads it)
+        joined = next((e for e in entries if e.seq and e.name == arena.after_fixed), None)
+        if joined is not None and joined.row0 == 0 and joined.shape[0] > 0 \
+                and joined.offset == arena.slot(joined.name).offset - arena.fixed_begin:
+            end = joined.offset + joined.nbytes
+        else:
+            joined = None
+        a = arena.data[arena.fixed_begin: arena.fixed_begin + end]
+        c = cap.data[:end]
         pairs.append((a, c) if to_capsule else (c, a))
     else:  # a subset of kinds: copy buffer by buffer
         for e in fixed:
             a, c = arena.bytes_of(e.name), cap.raw(e)
             pairs.append((a, c) if to_capsule else (c, a))
     for e in entries:
-        if e.seq and e.shape[0] > 0:
+        if e.seq and e.shape[0] > 0 and e is not joined:
             a, c = arena.rows_bytes(e.name, e.row0, e.row0 + e.shape[0]), cap.raw(e)
             pairs.append((a, c) if to_capsule else (c, a))
     return pairs
@@ -289,17 +300,19 @@ def snapshot_arena(arena: Arena, position: int, meta: CapsuleMeta, into: Capsule
         cap.parent_capsule = parent
         copy_segments(copy_pairs(arena, cap, entries, to_capsule=True))
         return cap
-    if into.device != arena.device:
-        raise CapsuleMismatchError(f"snapshot(into=): capsule is on {into.device}, arena on {arena.device}")
     cap = into
 
     def build():
+        if cap.device != arena.device:
+            raise CapsuleMismatchError(f"snapshot(into=): capsule is on {cap.device}, arena on {arena.device}")
         entries, need = plan()
         if cap.data.numel() < need:
             raise CapsuleMismatchError(f"snapshot(into=): capsule buffer holds {cap.data.numel()} B, "
                                        f"this state needs {need} B")
         return entries, SegmentPlan(copy_pairs(arena, cap, entries, to_capsule=True, table=entries))
 
+    # a cached plan was built (and its checks passed) for this arena and this buffer, which
+    # never moves
     entries, seg = _cached_plan(cap, arena, ("snap", position, fixed_only, row0), build)
     cap.entries, cap.meta = entries, meta
     cap._consumed = False
@@ -309,11 +322,12 @@ def snapshot_arena(arena: Arena, position: int, meta: CapsuleMeta, into: Capsule
     return cap
 
 
-def restore_arena(arena: Arena, cap: Capsule, kinds: frozenset) -> None:
-    """Copy the capsule (and, for a delta capsule, its ancestors' rows) into the arena."""
+def restore_arena(arena: Arena, cap: Capsule, kinds: frozenset, chain=None) -> None:
+    """Copy the capsule (and, for a delta capsule, its ancestors' rows) into the arena.
+    chain: cap.chain(), when the caller has it."""
     def build():
         pairs = []
-        for anc in cap.chain()[:-1]:       # ancestors give only their per-token rows below row0
+        for anc in (chain or cap.chain())[:-1]:   # ancestors give only their per-token rows below row0
             rows = [e for e in anc.entries if e.seq and e.kind != "meta" and e.kind in kinds]
             pairs += copy_pairs(arena, anc, rows, to_capsule=False)
         pairs += copy_pairs(arena, cap, [e for e in cap.entries if e.kind in kinds], to_capsule=False)
@@ -329,8 +343,9 @@ def restore_arena(arena: Arena, cap: Capsule, kinds: frozenset) -> None:
     seg.run()
 
 
-def check_fits(cap: Capsule, arena: Arena, fingerprint: dict, max_seq_len: int) -> None:
-    """Refuse, naming the field, any capsule that does not fit; nothing is written before this."""
+def check_fits(cap: Capsule, arena: Arena, fingerprint: dict, max_seq_len: int) -> list:
+    """Refuse, naming the field, any capsule that does not fit; nothing is written before this.
+    Returns cap.chain()."""
     chain = cap.chain()
     for anc in chain[:-1]:
         _check_one(anc, arena, fingerprint, max_seq_len)
@@ -339,6 +354,7 @@ def check_fits(cap: Capsule, arena: Arena, fingerprint: dict, max_seq_len: int) 
         if child.view("meta.tokens")[: parent.position].tolist() != parent.tokens:
             raise CapsuleMismatchError(f"delta capsule {child.id}: its history does not extend "
                                        f"its parent's {parent.id}")
+    return chain
 
 
 _FINGERPRINT_KEYS = ("model_type", "config", "weights", "dtype", "layout")

@@ -71,10 +71,11 @@ def _align(n: int) -> int:
 
 
 def _order_key(spec: BufferSpec):
-    # fixed capsule state | per-token capsule state | io | scratch
+    # fixed capsule state | per-token capsule state, the token history (meta) first, right after
+    # the fixed state (see Arena.after_fixed) | io | scratch
     captured = spec.kind in CAPSULE_KINDS
     group = 0 if captured and spec.seq_dim is None else 1 if captured else 2
-    return (group, KINDS.index(spec.kind))
+    return (group, group != 1 or spec.kind != "meta", KINDS.index(spec.kind))
 
 
 def plan_slots(specs) -> tuple[tuple[Slot, ...], int]:
@@ -105,6 +106,12 @@ class Arena:
         # [fixed_begin, fixed_end): the contiguous range of fixed-size capsule state.
         self.fixed_begin = fixed[0].offset if fixed else 0
         self.fixed_end = (fixed[-1].offset + fixed[-1].spec.nbytes) if fixed else 0
+        # The per-token capsule buffer laid out right after that range (the token history, which
+        # every capsule holds whole, delta ones included). A capsule mirrors the padding between them, so the fixed state and
+        # this buffer's live rows are one contiguous range in both: one copy, not two.
+        nxt = self.slots[len(fixed)] if fixed and len(self.slots) > len(fixed) else None
+        self.after_fixed = (nxt.name if nxt is not None and nxt.spec.kind in CAPSULE_KINDS
+                            and nxt.spec.seq_dim == 0 else None)
 
     def _make_view(self, slot: Slot) -> torch.Tensor:
         raw = self.data[slot.offset: slot.offset + slot.spec.nbytes]

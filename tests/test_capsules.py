@@ -184,6 +184,32 @@ def test_snapshot_cost_is_live_extent(arch, runtime):
         assert torch.equal(target.view("meta.tokens"), torch.tensor(rt.tokens))
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+def test_fixed_state_and_token_history_copy_as_one_range(arch, runtime):
+    """The token history follows the fixed state in the arena and, at the same distance, in the
+    capsule: snapshot and restore copy both as one range (plus one per per-token buffer), and
+    the padding between them, which no view covers, travels without touching any buffer."""
+    from flashrt.capsules.capsule import copy_pairs
+    rt = runtime(arch)
+    a = rt.arena
+    assert a.after_fixed == "meta.tokens"
+    rt.prefill(_ids(21, 23))
+    pad = a.data[a.fixed_end: a.slot("meta.tokens").offset]
+    pad.fill_(0xAB)                     # unused bytes: whatever they hold must not matter
+    cap = rt.snapshot()
+    e = next(x for x in cap.entries if x.name == "meta.tokens")
+    assert e.offset == a.slot("meta.tokens").offset - a.fixed_begin
+    pairs = copy_pairs(a, cap, cap.entries, to_capsule=False)
+    per_token = [x for x in cap.entries if x.seq]
+    assert len(pairs) == len(per_token)            # fixed + history joined, then one per buffer
+    assert pairs[0][0].numel() == e.offset + e.nbytes
+    want_next = rt.generate(max_new_tokens=3)
+    rt.prefill(_ids(9, 24))
+    pad.zero_()
+    rt.restore(cap)
+    assert rt.tokens == cap.tokens and rt.generate(max_new_tokens=3) == want_next
+
+
 def test_validation_refuses_and_leaves_state(runtime, ckpt):
     rt = runtime("qwen3")
     rt.prefill(_ids(12, 20))
