@@ -425,8 +425,11 @@ def test_native_path_refusals_name_the_problem(tmp_path, monkeypatch, fast_statu
     Capsule.load(path, into=target)
     raw = path.read_bytes()
     bad = tmp_path / "bad.capsule"
+    hlen = 8 + struct.unpack("<Q", raw[:8])[0]
     for data, match in [(raw[:-1], "data region"), (raw + b"x", "data region"),
-                        (raw[:-3] + bytes([raw[-3] ^ 4]) + raw[-2:], "checksum mismatch")]:
+                        (raw[:-3] + bytes([raw[-3] ^ 4]) + raw[-2:], "checksum mismatch"),
+                        (raw[:4], "header length"), (raw[:hlen - 1], "header length"),
+                        (raw[:hlen], "data region"), (b"", "header length")]:
         bad.write_bytes(data)
         with pytest.raises(CapsuleCorruptError, match=match):
             Capsule.load(bad, into=target)
@@ -439,3 +442,15 @@ def test_native_path_refusals_name_the_problem(tmp_path, monkeypatch, fast_statu
         Capsule.load(tmp_path / "v3", into=target)
     assert_same(cap, target)              # refused on its header: untouched
     assert fast_statuses[-1] == "not_fast"
+
+
+@needs_ext
+def test_native_path_reads_a_header_longer_than_its_first_read(tmp_path, fast_statuses):
+    cap = ascii_capsule(position=5000)    # the token history alone is ~25 KB of header
+    path = tmp_path / "long.capsule"
+    cap.save(path)
+    assert struct.unpack("<Q", path.read_bytes()[:8])[0] > 16 << 10
+    target = _target(cap)
+    Capsule.load(path, into=target)
+    assert_same(cap, Capsule.load(path, into=target))
+    assert fast_statuses == ["loaded"]
