@@ -14,6 +14,11 @@ anywhere goes unnoticed, and the blocks are independent: save hashes them on eve
 load hashes each one right after reading it, while it is in cache (version 1 chained one XXH64
 over the whole file: one core, and a second pass over the bytes). XXH3 runs 2.7x faster than
 XXH64 per core on the CI machine (AVX2), so checking a file costs little next to reading it.
+
+Reading: a load(into=) of a file whose entry table the target already holds runs in one native
+call (csrc/capsule_file.cpp: header, metadata, payload, checksums); every other file, and any
+header not in the exact form save writes, goes through the Python reader below, which accepts
+whatever json does and names what is wrong.
 """
 from __future__ import annotations
 
