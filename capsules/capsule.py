@@ -304,7 +304,8 @@ def snapshot_arena(arena: Arena, position: int, meta: CapsuleMeta, into: Capsule
 
     def build():
         if cap.device != arena.device:
-            raise CapsuleMismatchError(f"snapshot(into=): capsule is on {cap.device}, arena on {arena.device}")
+            raise CapsuleMismatchError(f"snapshot(into=): capsule is on {cap.device}, "
+                                       f"arena on {arena.device}")
         entries, need = plan()
         if cap.data.numel() < need:
             raise CapsuleMismatchError(f"snapshot(into=): capsule buffer holds {cap.data.numel()} B, "

@@ -106,9 +106,9 @@ class Arena:
         # [fixed_begin, fixed_end): the contiguous range of fixed-size capsule state.
         self.fixed_begin = fixed[0].offset if fixed else 0
         self.fixed_end = (fixed[-1].offset + fixed[-1].spec.nbytes) if fixed else 0
-        # The per-token capsule buffer laid out right after that range (the token history, which
-        # every capsule holds whole, delta ones included). A capsule mirrors the padding between them, so the fixed state and
-        # this buffer's live rows are one contiguous range in both: one copy, not two.
+        # The per-token capsule buffer laid out right after that range: the token history, which
+        # every capsule holds whole (delta ones included). A capsule mirrors the padding between
+        # them, so the fixed state and the history's live rows are one range in both: one copy.
         nxt = self.slots[len(fixed)] if fixed and len(self.slots) > len(fixed) else None
         self.after_fixed = (nxt.name if nxt is not None and nxt.spec.kind in CAPSULE_KINDS
                             and nxt.spec.seq_dim == 0 else None)

@@ -359,7 +359,8 @@ def test_load_into_same_table_takes_the_native_path(tmp_path, fast_statuses):
     assert fast_statuses == ["loaded", "loaded"]    # the first load parsed the table in Python
     # The same file with an escape save never writes: valid JSON, and a valid checksum, that the
     # native reader leaves to the general one
-    raw = _with_header_replaced((tmp_path / "1.capsule").read_bytes(), b'"hash":"xxh3/', b'"hash":"\\u0078xh3/')
+    raw = _with_header_replaced((tmp_path / "1.capsule").read_bytes(), b'"hash":"xxh3/',
+                                b'"hash":"\\u0078xh3/')
     (tmp_path / "escaped.capsule").write_bytes(raw)
     assert_same(caps[1], Capsule.load(tmp_path / "escaped.capsule", into=target))
     assert fast_statuses[-1] == "not_fast"
