@@ -1,0 +1,27 @@
+"""The capsule benchmark runs end to end (CI-sized): its script, its identity checks and its JSON.
+Timings are not asserted (they belong to bench/, not to tests); exactness is."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_capsules_bench_quick(tmp_path):
+    out = tmp_path / "capsules.json"
+    r = subprocess.run([sys.executable, "bench/capsules.py", "--quick", "--size", "tiny",
+                        "--arch", "qwen3,qwen3_5", "--no-progress", "--out", str(out),
+                        "--tmpdir", str(tmp_path)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "flashrt._C" in r.stdout and "unavailable" not in r.stdout   # native paths measured
+    results = json.loads(out.read_text())["data"]["results"]
+    assert [x["arch"] for x in results] == ["qwen3", "qwen3_5"]
+    for res in results:
+        assert res["all_exact"], res["arch"]              # restored / loaded bytes == snapshot's
+        for row in res["rows"]:
+            assert row["restore_exact"] and row["load_exact"]
+            assert row["state_bytes"] == res["fixed_state_bytes"] + row["position"] * res["per_token_bytes"]
+            for ratio in (*row["device_ratio"].values(), *row["disk_ratio"].values()):
+                assert ratio is not None and ratio > 0
