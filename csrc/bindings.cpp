@@ -51,6 +51,9 @@ PYBIND11_MODULE(_C, m) {
         "in file order) of [base, base + size), zeroing the gap spans and verifying the block "
         "checksums and the file checksum: (status, metadata dict or None), status 'loaded', "
         "'short', 'mismatch' or 'not_fast' (nothing written; read it the general way).");
+  m.def("openmp_runtime", &flashrt::launch::openmp_runtime,
+        "Path of the OpenMP runtime the CPU parallel copy runs on ('' = built without OpenMP: "
+        "the extension's own thread pool).");
   m.def("has_cuda", [] {
 #ifdef FLASHRT_WITH_CUDA
     return true;

@@ -13,10 +13,15 @@
 namespace flashrt {
 
 // Copies every segment on the host. Large volumes are split evenly by bytes
-// (not by segment) over up to num_threads threads (0 = hardware concurrency).
+// (not by segment) over up to num_threads threads (0 = OpenMP's thread count,
+// which torch sets, or hardware concurrency in a build without OpenMP).
 // Segments must not overlap each other's destinations or their own source.
 void segcopy_cpu(const int64_t* src, const int64_t* dst, const int64_t* nbytes,
                  int64_t n, int num_threads);
+
+// The OpenMP runtime library segcopy_cpu's parallel copies run on (its path,
+// as the dynamic linker resolved it), or "" in a build without OpenMP.
+const char* openmp_runtime();
 
 // Copies every segment with one kernel launch on `stream` (a cudaStream_t
 // as an integer) for up to a few hundred segments; see segcopy_cuda.cu.

@@ -60,6 +60,8 @@ uint64_t xxh64(std::uintptr_t ptr, int64_t nbytes, uint64_t seed) {
 
 std::string xxh3_isa() { return flashrt::xxh3_isa(); }
 
+std::string openmp_runtime() { return flashrt::openmp_runtime(); }
+
 namespace {
 
 // Segment addresses inside [base, base + size) from offsets; rejects what would

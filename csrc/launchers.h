@@ -25,6 +25,8 @@ void copy_segments_cuda(const Int64Array& src, const Int64Array& dst, const Int6
 #endif
 uint64_t xxh64(std::uintptr_t ptr, int64_t nbytes, uint64_t seed);
 std::string xxh3_isa();
+// Path of the OpenMP runtime the CPU copy runs on; "" without OpenMP.
+std::string openmp_runtime();
 // XXH3-64 of the parts (bytes-like, contiguous) concatenated, without joining them.
 uint64_t xxh3_parts(const std::vector<pybind11::buffer>& parts);
 // Zero the spans (offset, nbytes) of the host buffer [base, base + size).

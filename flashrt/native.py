@@ -4,7 +4,7 @@ What the runtime needs from native code:
 
 * ``copy_segments`` / ``SegmentPlan``: copy many (src, dst) byte ranges at
   once. On CPU the extension splits the bytes over threads with the GIL
-  released; on CUDA it copies all segments with one kernel launch on the
+  released (torch's own OpenMP threads when it shares torch's runtime); on CUDA it copies all segments with one kernel launch on the
   current stream (``flashrt._C.copy_segments_cuda``; the segment table is
   passed in the kernel parameters, up to 1024 segments per launch).
 * ``xxh64``: the standard XXH64 checksum, identical with or without the
@@ -24,6 +24,7 @@ pure Python, after a single warning naming the import error.
 """
 from __future__ import annotations
 
+import ctypes
 import functools
 import os
 import struct
@@ -36,7 +37,8 @@ import torch
 # What this module calls in the extension; a build from older sources lacks some, and is
 # then not used (the bench scripts attach an installed build only if it has them all).
 NEEDS = ("copy_segments_cpu", "xxh64", "xxh3_parts", "xxh3_isa", "zero_spans",
-         "hash_blocks", "read_blocks_hashed", "load_known_table", "has_cuda", "version")
+         "hash_blocks", "read_blocks_hashed", "load_known_table", "openmp_runtime", "has_cuda",
+         "version")
 
 try:
     from . import _C
@@ -52,6 +54,42 @@ except ImportError as _e:  # not built, built for another Python/platform, or st
 HAVE_EXT: bool = _C is not None
 HAVE_CUDA_EXT: bool = HAVE_EXT and bool(_C.has_cuda())
 
+
+def _torch_openmp_runtime() -> str | None:
+    """Path of the OpenMP runtime torch's CPU kernels call (what omp_get_max_threads resolves to
+    from libtorch_cpu), or None when it cannot be told (no such library, no dladdr)."""
+    lib = os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so")
+    if not os.path.exists(lib):
+        return None
+
+    class _DlInfo(ctypes.Structure):
+        _fields_ = [("dli_fname", ctypes.c_char_p), ("dli_fbase", ctypes.c_void_p),
+                    ("dli_sname", ctypes.c_char_p), ("dli_saddr", ctypes.c_void_p)]
+    try:
+        # already loaded by `import torch`: RTLD_NOLOAD only looks it up; dlsym on its handle
+        # searches it and its dependencies, as its own calls resolve
+        fn = ctypes.CDLL(lib, mode=os.RTLD_NOLOAD | os.RTLD_LAZY).omp_get_max_threads
+        info = _DlInfo()
+        if not ctypes.CDLL(None).dladdr(ctypes.cast(fn, ctypes.c_void_p), ctypes.byref(info)):
+            return None
+    except (OSError, AttributeError):
+        return None
+    return os.fsdecode(info.dli_fname) if info.dli_fname else None
+
+
+def _copies_on_torch_threads() -> bool:
+    """Whether the extension's parallel CPU copy runs on torch's own intra-op threads: it was
+    built with OpenMP and bound to the runtime torch calls (loaded first, same soname).
+    Otherwise its threads would compete with torch's spinning ones, and large copies go
+    through torch instead (see SegmentPlan)."""
+    if not HAVE_EXT or not _C.openmp_runtime():
+        return False
+    theirs = _torch_openmp_runtime()
+    return theirs is not None and os.path.realpath(theirs) == os.path.realpath(_C.openmp_runtime())
+
+
+COPIES_ON_TORCH_THREADS: bool = _copies_on_torch_threads()
+
 __all__ = ["HAVE_EXT", "HAVE_CUDA_EXT", "ext_status", "SegmentPlan", "copy_segments", "xxh64",
            "xxh3", "xxh3_parts", "zero_spans", "hash_blocks", "read_blocks_hashed",
            "load_known_table"]
@@ -65,8 +103,11 @@ def ext_status() -> str:
         return (f"flashrt._C unavailable ({type(_IMPORT_ERROR).__name__}: {_IMPORT_ERROR}); "
                 "using torch copies and Python/numpy hashing")
     cuda = "CUDA segmented copy" if _C.has_cuda() else "no CUDA kernel (built without CUDA)"
-    return (f"flashrt._C {_C.version}: CPU segmented copy, xxh64, xxh3 ({_C.xxh3_isa()}), "
-            f"block checksums, {cuda}")
+    threads = ("torch's OpenMP threads" if COPIES_ON_TORCH_THREADS else
+               f"OpenMP at {_C.openmp_runtime()}, not torch's" if _C.openmp_runtime() else
+               "own thread pool")
+    return (f"flashrt._C {_C.version}: CPU segmented copy ({threads}), xxh64, xxh3 "
+            f"({_C.xxh3_isa()}), block checksums, {cuda}")
 
 
 @functools.lru_cache(maxsize=None)
@@ -134,9 +175,10 @@ class SegmentPlan:
     under 512 KiB always run on the calling thread.
 
     Execution path, chosen at construction:
-      * all CPU   -> ``_C.copy_segments_cpu`` (threads split the bytes; GIL released);
-        or, from 512 KiB with num_threads None/0 when the segments coalesce into at
-        most 8 equally spaced runs, one torch copy per run as 2-D strided views
+      * all CPU   -> ``_C.copy_segments_cpu`` (threads split the bytes; GIL released;
+        one OpenMP region on torch's own threads when ``COPIES_ON_TORCH_THREADS``);
+        without that, from 512 KiB with num_threads None/0 when the segments coalesce
+        into at most 8 equally spaced runs, one torch copy per run as 2-D strided views
         (torch's intra-op threads do it: see ``_strided_runs``).
       * all on one CUDA device -> ``_C.copy_segments_cuda``: one kernel on the
         current stream (more only past 1024 segments), asynchronous like any
@@ -179,11 +221,14 @@ class SegmentPlan:
             self.mode = "torch" if self.pairs else "empty"
         elif self.device.type == "cpu":
             self.mode = "cpu" if HAVE_EXT else "torch"
-            # Large copies that coalesce into a few strided views run as torch copies, on
-            # torch's own intra-op threads: right after a model step those threads are still
-            # spinning on the cores, and a second pool of copy threads competes with them
-            # for the cores (measured 2-3x slower than one torch copy at 4-16 MiB on 2 cores).
-            if self.num_threads == 0 and sum(sizes) >= _TORCH_MIN_BYTES:
+            # The extension's parallel copy runs on torch's own OpenMP threads when it shares
+            # torch's runtime: one call, one parallel region. Otherwise large copies that
+            # coalesce into a few strided views run as torch copies: right after a model step
+            # torch's threads are still spinning on the cores, and a second pool of copy
+            # threads competes with them (measured 2-3x slower than one torch copy at 4-16 MiB
+            # on 2 cores).
+            if self.num_threads == 0 and sum(sizes) >= _TORCH_MIN_BYTES and not (
+                    HAVE_EXT and COPIES_ON_TORCH_THREADS):
                 runs = _strided_runs(self.pairs, src, dst, sizes)
                 if len(runs) <= _TORCH_MAX_RUNS:
                     self.mode, self.pairs = "strided", runs

@@ -4,9 +4,12 @@ Copy tests run on every available backend: "ext" (the compiled kernels; skipped
 with the import error as reason when flashrt._C is missing) and "torch" (the
 fallback, forced by hiding the extension).
 """
+import glob
 import os
 import random
+import signal
 import struct
+import time
 import warnings
 
 import numpy as np
@@ -117,8 +120,9 @@ def test_parallel_copies_from_many_threads():
 @needs_ext
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork()")
 def test_parallel_copy_after_fork():
-    """A forked child has none of the parent's pool threads; its parallel copies still run.
-    (The child touches tensors through numpy only: torch's OpenMP pool may hang after fork.)"""
+    """A forked child has none of the parent's pool threads (WorkPool's or OpenMP's); its
+    parallel copies still run. (The child touches tensors through numpy only: torch's own
+    OpenMP pool may hang after fork.)"""
     src = torch.from_numpy(np.random.default_rng(0).integers(0, 256, 3 << 20, np.uint8))
     dst = torch.zeros_like(src)
     native.copy_segments([(src, dst)], num_threads=2)      # the parent's pool exists now
@@ -131,15 +135,25 @@ def test_parallel_copy_after_fork():
             ok = bool((src.numpy() == dst.numpy()).all())
         finally:
             os._exit(0 if ok else 1)
-    _, status = os.waitpid(pid, 0)
+    deadline = time.monotonic() + 60       # a hung child (a pool waiting for threads the fork
+    while True:                            # did not copy) fails the test instead of CI
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            pytest.fail("parallel copy in a forked child hung")
+        time.sleep(0.01)
     assert os.waitstatus_to_exitcode(status) == 0
 
 
 @pytest.mark.parametrize("spacing", ["even", "uneven"])
-def test_equally_spaced_segments_coalesce_into_strided_copies(backend, spacing):
+def test_equally_spaced_segments_coalesce_into_strided_copies(backend, spacing, monkeypatch):
     """A capsule-like copy (one fixed block, then rows [0, P) of equally spaced per-token
     buffers packed into the destination) runs as a few 2-D strided torch copies; any break in
     the spacing starts a new run; explicit num_threads keeps the native path."""
+    monkeypatch.setattr(native, "COPIES_ON_TORCH_THREADS", False)   # an extension with its own pool
     g = torch.Generator().manual_seed(4)
     src = torch.randint(0, 256, (3 << 20,), dtype=torch.uint8, generator=g)
     dst = torch.zeros(2 << 20, dtype=torch.uint8)
@@ -158,6 +172,35 @@ def test_equally_spaced_segments_coalesce_into_strided_copies(backend, spacing):
     assert torch.equal(dst, expected)
     assert native.SegmentPlan(pairs, num_threads=1).mode == ("cpu" if backend == "ext" else "torch")
     assert native.SegmentPlan(pairs[1:4]).mode != "strided"       # 120 kB: below the threshold
+
+
+@needs_ext
+def test_cpu_copies_run_on_torch_openmp_threads():
+    """Built with OpenMP and imported after torch, the extension binds to the OpenMP runtime
+    torch loaded, so its parallel copies run on torch's threads, and a large capsule-like plan
+    is one native call (not strided torch copies)."""
+    path = native._C.openmp_runtime()
+    if not path:
+        pytest.skip("extension built without OpenMP: its own thread pool copies")
+    torch_rt = {os.path.realpath(p) for p in
+                glob.glob(os.path.join(os.path.dirname(torch.__file__), "lib", "lib*omp*.so*"))}
+    if torch_rt:                      # torch ships its runtime (pip wheels): it must be that one
+        assert os.path.realpath(path) in torch_rt
+        assert native.COPIES_ON_TORCH_THREADS
+    theirs = native._torch_openmp_runtime()
+    assert native.COPIES_ON_TORCH_THREADS == (
+        theirs is not None and os.path.realpath(theirs) == os.path.realpath(path))
+    assert ("torch's OpenMP threads" in native.ext_status()) == native.COPIES_ON_TORCH_THREADS
+    src = torch.randint(0, 256, (4 << 20,), dtype=torch.uint8)
+    dst = torch.zeros(3 << 20, dtype=torch.uint8)
+    pairs = [(src[:1 << 20], dst[:1 << 20])] + [
+        (src[(2 << 20) + i * 40_000: (2 << 20) + i * 40_000 + 30_000],
+         dst[(1 << 20) + i * 30_000: (1 << 20) + (i + 1) * 30_000]) for i in range(20)]
+    plan = native.SegmentPlan(pairs)
+    assert plan.mode == ("cpu" if native.COPIES_ON_TORCH_THREADS else "strided")
+    plan.run()
+    for a, b in pairs:
+        assert torch.equal(a, b)
 
 
 def test_empty_and_zero_length(backend):
