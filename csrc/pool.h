@@ -1,5 +1,6 @@
-// The host thread pool behind the parallel kernels (segmented copy, block
-// hashing): parked threads that take parts of one job at a time.
+// The host thread pool behind the parallel kernels (block hashing, and the
+// segmented copy in a build without OpenMP or after fork()): parked threads
+// that take parts of one job at a time.
 #pragma once
 
 #include <pthread.h>

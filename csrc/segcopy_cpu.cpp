@@ -35,10 +35,10 @@ std::atomic<bool> forked{false};
 const int fork_hook = pthread_atfork(nullptr, nullptr, [] { forked.store(true); });
 #endif
 
-// Parallel copies run on a pool of parked threads: spawning a thread costs
-// tens of microseconds, as much as copying a few hundred KiB. Below
-// kParallelMinBytes the calling thread alone is faster; above it each thread
-// gets at least kMinBytesPerThread.
+// Parallel copies run on threads that already exist (OpenMP's or WorkPool's):
+// spawning a thread costs tens of microseconds, as much as copying a few
+// hundred KiB. Below kParallelMinBytes the calling thread alone is faster;
+// above it each thread gets at least kMinBytesPerThread.
 // (2 MiB / 1 MiB measured on a 2-core EPYC: below, the wake-up of a parked
 // thread costs more than it saves.)
 constexpr int64_t kParallelMinBytes = 512 << 10;
