@@ -18,6 +18,13 @@ PYBIND11_MODULE(_C, m) {
         py::arg("nbytes"), py::arg("num_threads") = 0,
         "Copy nbytes[i] bytes from address src[i] to dst[i] for all i (host memory). "
         "num_threads=0 uses all hardware threads; small copies stay on the calling thread.");
+  py::class_<flashrt::launch::CpuCopyPlan>(m, "CpuCopyPlan",
+        "copy_segments_cpu's table, validated and copied once; run() copies (host memory).")
+      .def(py::init<const flashrt::launch::Int64Array&, const flashrt::launch::Int64Array&,
+                    const flashrt::launch::Int64Array&>(),
+           py::arg("src"), py::arg("dst"), py::arg("nbytes"))
+      .def("run", &flashrt::launch::CpuCopyPlan::run, py::arg("num_threads") = 0)
+      .def("__len__", &flashrt::launch::CpuCopyPlan::size);
 #ifdef FLASHRT_WITH_CUDA
   m.def("copy_segments_cuda", &flashrt::launch::copy_segments_cuda, py::arg("src"), py::arg("dst"),
         py::arg("nbytes"), py::arg("stream"),

@@ -42,6 +42,20 @@ void copy_segments_cpu(const Int64Array& src, const Int64Array& dst, const Int64
   segcopy_cpu(src.data(), dst.data(), nbytes.data(), nbytes.shape(0), num_threads);
 }
 
+CpuCopyPlan::CpuCopyPlan(const Int64Array& src, const Int64Array& dst, const Int64Array& nbytes) {
+  check_table(src, dst, nbytes);
+  const py::ssize_t n = nbytes.shape(0);
+  src_.assign(src.data(), src.data() + n);
+  dst_.assign(dst.data(), dst.data() + n);
+  nbytes_.assign(nbytes.data(), nbytes.data() + n);
+}
+
+void CpuCopyPlan::run(int num_threads) const {
+  if (num_threads < 0) throw std::invalid_argument("num_threads must be >= 0 (0 = all cores)");
+  py::gil_scoped_release nogil;  // the tables are the plan's own; the caller keeps the buffers
+  segcopy_cpu(src_.data(), dst_.data(), nbytes_.data(), size(), num_threads);
+}
+
 #ifdef FLASHRT_WITH_CUDA
 void copy_segments_cuda(const Int64Array& src, const Int64Array& dst, const Int64Array& nbytes,
                         std::uintptr_t stream) {

@@ -23,6 +23,18 @@ void copy_segments_cpu(const Int64Array& src, const Int64Array& dst, const Int64
 void copy_segments_cuda(const Int64Array& src, const Int64Array& dst, const Int64Array& nbytes,
                         std::uintptr_t stream);
 #endif
+// A host segment table validated and copied once, run many times: a capsule's
+// snapshot or restore pays no per-call array conversions (plan/run split).
+class CpuCopyPlan {
+ public:
+  CpuCopyPlan(const Int64Array& src, const Int64Array& dst, const Int64Array& nbytes);
+  void run(int num_threads) const;  // releases the GIL
+  int64_t size() const { return static_cast<int64_t>(nbytes_.size()); }
+
+ private:
+  std::vector<int64_t> src_, dst_, nbytes_;
+};
+
 uint64_t xxh64(std::uintptr_t ptr, int64_t nbytes, uint64_t seed);
 std::string xxh3_isa();
 // Path of the OpenMP runtime the CPU copy runs on; "" without OpenMP.

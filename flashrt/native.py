@@ -37,8 +37,8 @@ import torch
 # What this module calls in the extension; a build from older sources lacks some, and is
 # then not used (the bench scripts attach an installed build only if it has them all).
 NEEDS = ("copy_segments_cpu", "xxh64", "xxh3_parts", "xxh3_isa", "zero_spans",
-         "hash_blocks", "read_blocks_hashed", "load_known_table", "openmp_runtime", "has_cuda",
-         "version")
+         "hash_blocks", "read_blocks_hashed", "load_known_table", "openmp_runtime", "CpuCopyPlan",
+         "has_cuda", "version")
 
 try:
     from . import _C
@@ -238,6 +238,8 @@ class SegmentPlan:
             self.mode = "torch"
         if self.mode == "torch" and not HAVE_EXT:
             _warn_fallback()
+        # the table goes to the extension once: run() converts no arrays
+        self._cpu = _C.CpuCopyPlan(self.src, self.dst, self.nbytes) if self.mode == "cpu" else None
 
     def __len__(self) -> int:
         return len(self.pairs)
@@ -248,7 +250,7 @@ class SegmentPlan:
 
     def run(self) -> None:
         if self.mode == "cpu":
-            _C.copy_segments_cpu(self.src, self.dst, self.nbytes, self.num_threads)
+            self._cpu.run(self.num_threads)
         elif self.mode == "cuda":
             # The kernel launches on the current device, which must own the stream.
             with torch.cuda.device(self.device):

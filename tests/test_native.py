@@ -265,6 +265,16 @@ def test_raw_binding_checks():
     src = np.arange(16, dtype=np.uint8)  # lists and int32 tables are safely widened
     C.copy_segments_cpu([src.ctypes.data], [addr], np.array([16], dtype=np.int32))
     assert (buf == src).all()
+    # the plan object checks its table once, at construction, the same way
+    with pytest.raises(ValueError, match="length"):
+        C.CpuCopyPlan(ok, ok, np.array([1, 2], dtype=np.int64))
+    with pytest.raises(ValueError, match="null"):
+        C.CpuCopyPlan(np.array([0], dtype=np.int64), ok, np.array([4], dtype=np.int64))
+    plan = C.CpuCopyPlan(np.array([src.ctypes.data + 8], np.int64), ok, np.array([8], np.int64))
+    with pytest.raises(ValueError):
+        plan.run(-1)
+    plan.run()
+    assert len(plan) == 1 and (buf[:8] == src[8:]).all()
 
 
 def test_fallback_warns_once(monkeypatch):
