@@ -114,6 +114,24 @@ int64_t stream_blocks(const Int64Array& nbytes, int64_t block) {
   return (total + block - 1) / block;
 }
 
+// Runs file I/O with the GIL released; a std::system_error becomes OSError(errno)
+// once the GIL is held again.
+template <typename F>
+auto io_without_gil(const F& fn) -> decltype(fn()) {
+  int err = 0;
+  {
+    py::gil_scoped_release nogil;
+    try {
+      return fn();
+    } catch (const std::system_error& e) {
+      err = e.code().value();
+    }
+  }
+  errno = err;
+  PyErr_SetFromErrno(PyExc_OSError);
+  throw py::error_already_set();
+}
+
 }  // namespace
 
 uint64_t xxh3_parts(const std::vector<py::buffer>& parts) {
@@ -158,22 +176,10 @@ py::object read_blocks_hashed(int fd, int64_t file_offset, std::uintptr_t base, 
   if (file_offset < 0) throw std::invalid_argument("read_blocks_hashed: negative file offset");
   const auto addr = spans_to_addresses(base, size, offsets, nbytes, block, "read_blocks_hashed");
   std::vector<uint64_t> d(static_cast<size_t>(stream_blocks(nbytes, block)));
-  bool complete = false;
-  int err = 0;
-  {
-    py::gil_scoped_release nogil;
-    try {
-      complete = flashrt::read_blocks_hashed(fd, file_offset, addr.data(), nbytes.data(),
-                                             nbytes.shape(0), block, d.data(), num_threads);
-    } catch (const std::system_error& e) {
-      err = e.code().value();
-    }
-  }
-  if (err) {  // with the GIL again: surface as OSError(errno)
-    errno = err;
-    PyErr_SetFromErrno(PyExc_OSError);
-    throw py::error_already_set();
-  }
+  const bool complete = io_without_gil([&] {
+    return flashrt::read_blocks_hashed(fd, file_offset, addr.data(), nbytes.data(), nbytes.shape(0),
+                                       block, d.data(), num_threads);
+  });
   if (!complete) return py::none();
   return digest_bytes(d);
 }
@@ -190,23 +196,11 @@ py::tuple load_known_table(int fd, const std::vector<std::string>& keys,
   const auto gaps = spans_to_addresses(base, size, gap_offsets, gap_nbytes, 1, "load_known_table gaps");
   std::vector<MetadataItem> want, md;
   for (const auto& kv : fixed) want.push_back({kv.first, kv.second});
-  KnownLoad r = KnownLoad::kNotFast;
-  int err = 0;
-  {
-    py::gil_scoped_release nogil;
-    try {
-      r = flashrt::load_known_table(fd, keys, want, addr.data(), nbytes.data(), nbytes.shape(0),
-                                    gaps.data(), gap_nbytes.data(), gap_nbytes.shape(0), block,
-                                    num_threads, &md);
-    } catch (const std::system_error& e) {
-      err = e.code().value();
-    }
-  }
-  if (err) {  // with the GIL again: surface as OSError(errno)
-    errno = err;
-    PyErr_SetFromErrno(PyExc_OSError);
-    throw py::error_already_set();
-  }
+  const KnownLoad r = io_without_gil([&] {
+    return flashrt::load_known_table(fd, keys, want, addr.data(), nbytes.data(), nbytes.shape(0),
+                                     gaps.data(), gap_nbytes.data(), gap_nbytes.shape(0), block,
+                                     num_threads, &md);
+  });
   static const char* const names[] = {"loaded", "not_fast", "short", "mismatch"};
   if (r == KnownLoad::kNotFast) return py::make_tuple(names[1], py::none());
   py::dict d;

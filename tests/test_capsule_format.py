@@ -340,6 +340,16 @@ def _target(cap) -> Capsule:
     return Capsule(torch.full((cap.data.numel() + 512,), 7, dtype=torch.uint8), [], CapsuleMeta(0, {}, {}))
 
 
+def _holding_target(tmp_path):
+    """(capsule, its file, a target that loaded the file once and so holds its table)."""
+    cap = ascii_capsule()
+    path = tmp_path / "c.capsule"
+    cap.save(path)
+    target = _target(cap)
+    Capsule.load(path, into=target)
+    return cap, path, target
+
+
 @needs_ext
 def test_load_into_same_table_takes_the_native_path(tmp_path, fast_statuses):
     """The second load into a target goes through the native reader and gives what the general
@@ -388,11 +398,7 @@ def _with_header_replaced(raw: bytes, old: bytes, new: bytes) -> bytes:
 def test_native_path_detects_every_flipped_byte(tmp_path, fast_statuses):
     """Damage anywhere is refused when the target already holds the file's table, and a refusal
     leaves it either untouched (header refused before any byte landed) or holding no capsule."""
-    cap = ascii_capsule()
-    path = tmp_path / "c.capsule"
-    cap.save(path)
-    target = _target(cap)
-    Capsule.load(path, into=target)
+    cap, path, target = _holding_target(tmp_path)
     raw = path.read_bytes()
     hlen = 8 + struct.unpack("<Q", raw[:8])[0]
     rng = random.Random(2)
@@ -419,11 +425,7 @@ def test_native_path_detects_every_flipped_byte(tmp_path, fast_statuses):
 
 @needs_ext
 def test_native_path_refusals_name_the_problem(tmp_path, monkeypatch, fast_statuses):
-    cap = ascii_capsule()
-    path = tmp_path / "c.capsule"
-    cap.save(path)
-    target = _target(cap)
-    Capsule.load(path, into=target)
+    cap, path, target = _holding_target(tmp_path)
     raw = path.read_bytes()
     bad = tmp_path / "bad.capsule"
     hlen = 8 + struct.unpack("<Q", raw[:8])[0]
