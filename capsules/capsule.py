@@ -16,7 +16,7 @@ import torch
 
 from flashrt.arena import CAPSULE_KINDS, Arena
 from flashrt.errors import CapsuleConsumedError, CapsuleMismatchError
-from flashrt.native import SegmentPlan, copy_segments
+from flashrt.native import SegmentPlan
 
 _ALIGN = 64
 _NO_ENTRIES = ((), MappingProxyType({}), 0, frozenset(), False)   # what an emptied capsule derives
@@ -52,11 +52,26 @@ class Entry:
         return n
 
 
-@dataclass
+class ReadOnlyDict(dict):
+    """A dict that refuses in-place changes. A session shares its fingerprint and provenance
+    with every capsule it makes (a snapshot copies no dict), so no capsule may edit them for
+    the others: give `cap.meta.fingerprint` a new dict instead."""
+
+    def _refuse(self, *args, **kwargs):
+        raise TypeError("capsule fingerprint/provenance mappings are shared and read-only; "
+                        "assign a new dict instead")
+
+    __setitem__ = __delitem__ = __ior__ = clear = pop = popitem = setdefault = update = _refuse
+
+    def __reduce__(self):             # copy/pickle rebuild it whole (never item by item)
+        return (ReadOnlyDict, (dict(self),))
+
+
+@dataclass(slots=True)
 class CapsuleMeta:
     position: int
     fingerprint: dict     # model_type, config, weights, dtype, layout: what decides meaning
-    provenance: dict      # device, threads, versions: recorded, never refused on
+    provenance: dict      # device, threads of the last step, versions: recorded, never refused on
     parent: str | None = None
     single_use: bool = False
     extra: dict = field(default_factory=dict)
@@ -65,8 +80,10 @@ class CapsuleMeta:
 class Capsule:
     """Copy of a session's state. Build with Runtime.snapshot(); restore with Runtime.restore()."""
 
-    def __init__(self, data: torch.Tensor, entries: list[Entry], meta: CapsuleMeta):
-        self.data = data                  # uint8, capacity >= end of the last entry
+    def __init__(self, data: torch.Tensor, entries: list[Entry], meta: CapsuleMeta,
+                 _derived: tuple | None = None):
+        self.data = data                  # uint8, capacity >= end of the last entry; never rebound
+        self._derived = _derived          # what the entries setter derives, when already known
         self.entries = entries
         self.meta = meta
         self._claim = threading.Lock()
@@ -270,51 +287,80 @@ def _fixed_block_ok(arena: Arena, cap: Capsule, fixed, table) -> bool:
     return all(e.offset == arena.slot(e.name).offset - arena.fixed_begin for e in fixed)
 
 
-def _cached_plan(cap: Capsule, arena: Arena, key, build):
-    """A SegmentPlan cached on the capsule; valid while the same arena object is alive."""
-    hit = cap._plans.get(key)
-    if hit is not None and hit[0]() is arena:
-        return hit[1], hit[2]
-    entries, plan = build()
+def _remember(cap: Capsule, arena: Arena, key, entries, plan) -> None:
+    """Cache a SegmentPlan on the capsule; valid while the same arena object is alive. The
+    hot paths look it up inline: ``hit = cap._plans.get(key); hit[0]() is arena``."""
     if len(cap._plans) > 8:
         cap._plans.clear()
     cap._plans[key] = (weakref.ref(arena), entries, plan)
-    return entries, plan
+
+
+def _snapshot_entries(arena: Arena, position: int, row0: int, fixed_only: bool):
+    entries, need = plan_entries(arena, position, row0)
+    if fixed_only:   # rollback checkpoints: KV rows below the position stay valid in the arena
+        entries = [e for e in entries if not e.seq]
+        need = _round(arena.fixed_end - arena.fixed_begin)
+    return tuple(entries), need
+
+
+def _snapshot_plan(arena: Arena, cap: Capsule, position: int, row0: int, fixed_only: bool):
+    if cap.device != arena.device:
+        raise CapsuleMismatchError(f"snapshot(into=): capsule is on {cap.device}, arena on {arena.device}")
+    entries, need = _snapshot_entries(arena, position, row0, fixed_only)
+    if cap.data.numel() < need:
+        raise CapsuleMismatchError(f"snapshot(into=): capsule buffer holds {cap.data.numel()} B, "
+                                   f"this state needs {need} B")
+    return entries, SegmentPlan(copy_pairs(arena, cap, entries, to_capsule=True, table=entries))
+
+
+def _keep_table(arena: Arena, key, table) -> None:
+    tables = arena.copy_tables
+    if len(tables) >= 64:                 # one per position snapshotted fresh: bounded
+        tables.clear()
+    tables[key] = table
+
+
+def _fresh_snapshot(arena: Arena, position: int, meta: CapsuleMeta, pin: bool, fixed_only: bool,
+                    row0: int) -> Capsule:
+    """snapshot() into a new buffer. The first one at a position plans from views (~1 ms at
+    60 buffers) and leaves its table on the arena; later ones move that table onto their
+    buffer: one allocation, one native copy."""
+    key = ("snap", position, fixed_only, row0)
+    t = arena.copy_tables.get(key)
+    if t is not None:
+        entries, need, derived, src, off, nb = t
+        data = torch.empty(need, dtype=torch.uint8, device=arena.device, pin_memory=pin)
+        seg = SegmentPlan.from_table(src, off + data.data_ptr(), nb, data.device, (data,))
+        if seg is not None:
+            cap = Capsule(data, entries, meta, derived)
+            seg.run()
+            return cap
+    entries, need = _snapshot_entries(arena, position, row0, fixed_only)
+    data = torch.empty(need, dtype=torch.uint8, device=arena.device, pin_memory=pin)
+    cap = Capsule(data, entries, meta)
+    seg = SegmentPlan(copy_pairs(arena, cap, entries, to_capsule=True))
+    _keep_table(arena, key, (cap.entries, need, cap._derived, seg.src, seg.dst - data.data_ptr(),
+                             seg.nbytes))
+    seg.run()
+    return cap
 
 
 def snapshot_arena(arena: Arena, position: int, meta: CapsuleMeta, into: Capsule | None = None,
                    pin: bool = False, fixed_only: bool = False, parent: Capsule | None = None) -> Capsule:
     row0 = parent.position if parent is not None else 0
-
-    def plan():
-        entries, need = plan_entries(arena, position, row0)
-        if fixed_only:   # rollback checkpoints: KV rows below the position stay valid in the arena
-            entries = [e for e in entries if not e.seq]
-            need = _round(arena.fixed_end - arena.fixed_begin)
-        return tuple(entries), need
-
     if into is None:
-        entries, need = plan()
-        data = torch.empty(need, dtype=torch.uint8, device=arena.device, pin_memory=pin)
-        cap = Capsule(data, entries, meta)
+        cap = _fresh_snapshot(arena, position, meta, pin, fixed_only, row0)
         cap.parent_capsule = parent
-        copy_segments(copy_pairs(arena, cap, entries, to_capsule=True))
         return cap
-    cap = into
-
-    def build():
-        if cap.device != arena.device:
-            raise CapsuleMismatchError(f"snapshot(into=): capsule is on {cap.device}, "
-                                       f"arena on {arena.device}")
-        entries, need = plan()
-        if cap.data.numel() < need:
-            raise CapsuleMismatchError(f"snapshot(into=): capsule buffer holds {cap.data.numel()} B, "
-                                       f"this state needs {need} B")
-        return entries, SegmentPlan(copy_pairs(arena, cap, entries, to_capsule=True, table=entries))
-
-    # a cached plan was built (and its checks passed) for this arena and this buffer, which
-    # never moves
-    entries, seg = _cached_plan(cap, arena, ("snap", position, fixed_only, row0), build)
+    cap, key = into, ("snap", position, fixed_only, row0)
+    # a plan cached for this arena was checked when built, and the buffer never moves. Inline
+    # lookup: each Python call on this path costs ~1 us with caches cold after a 1 MiB copy
+    hit = cap._plans.get(key)
+    if hit is not None and hit[0]() is arena:
+        entries, seg = hit[1], hit[2]
+    else:
+        entries, seg = _snapshot_plan(arena, cap, position, row0, fixed_only)
+        _remember(cap, arena, key, entries, seg)
     cap.entries, cap.meta = entries, meta
     cap._consumed = False
     cap.generation += 1
@@ -323,30 +369,46 @@ def snapshot_arena(arena: Arena, position: int, meta: CapsuleMeta, into: Capsule
     return cap
 
 
+def _restore_plan(arena: Arena, cap: Capsule, kinds: frozenset, chain) -> SegmentPlan:
+    pairs = []
+    for anc in chain[:-1]:   # ancestors give only their per-token rows below row0
+        rows = [e for e in anc.entries if e.seq and e.kind != "meta" and e.kind in kinds]
+        pairs += copy_pairs(arena, anc, rows, to_capsule=False)
+    pairs += copy_pairs(arena, cap, [e for e in cap.entries if e.kind in kinds], to_capsule=False)
+    return SegmentPlan(pairs)
+
+
 def restore_arena(arena: Arena, cap: Capsule, kinds: frozenset, chain=None) -> None:
     """Copy the capsule (and, for a delta capsule, its ancestors' rows) into the arena.
     chain: cap.chain(), when the caller has it."""
-    def build():
-        pairs = []
-        for anc in (chain or cap.chain())[:-1]:   # ancestors give only their per-token rows below row0
-            rows = [e for e in anc.entries if e.seq and e.kind != "meta" and e.kind in kinds]
-            pairs += copy_pairs(arena, anc, rows, to_capsule=False)
-        pairs += copy_pairs(arena, cap, [e for e in cap.entries if e.kind in kinds], to_capsule=False)
-        return cap.entries, SegmentPlan(pairs)
-
-    if cap.is_delta:                       # ancestors may be re-attached: plan afresh
-        build()[1].run()
+    if cap._is_delta:                       # ancestors may be re-attached: plan afresh
+        _restore_plan(arena, cap, kinds, chain or cap.chain()).run()
         return
     # keyed by the entries tuple itself: a capsule rewritten in place gets a new plan
-    entries, seg = _cached_plan(cap, arena, ("restore", kinds, id(cap.entries)), build)
-    if entries is not cap.entries:
-        entries, seg = build()
+    entries = cap._entries
+    key = ("restore", kinds, id(entries))
+    hit = cap._plans.get(key)
+    if hit is not None and hit[0]() is arena and hit[1] is entries:
+        seg = hit[2]
+    else:
+        # another capsule with this very entry table (fresh snapshots share theirs) left its
+        # table on the arena: move it onto this buffer (check_fits bounded the entries by it)
+        t, seg, base = arena.copy_tables.get(key), None, cap.data.data_ptr()
+        if t is not None and t[0] is entries:
+            seg = SegmentPlan.from_table(t[1] + base, t[2], t[3], cap.data.device, (cap.data,))
+        if seg is None:
+            seg = _restore_plan(arena, cap, kinds, [cap])
+            _keep_table(arena, key, (entries, seg.src - base, seg.dst, seg.nbytes))
+        _remember(cap, arena, key, entries, seg)
     seg.run()
 
 
 def check_fits(cap: Capsule, arena: Arena, fingerprint: dict, max_seq_len: int) -> list:
     """Refuse, naming the field, any capsule that does not fit; nothing is written before this.
     Returns cap.chain()."""
+    if not cap._is_delta:                 # the common case, one capsule: no chain walk
+        _check_one(cap, arena, fingerprint, max_seq_len)
+        return [cap]
     chain = cap.chain()
     for anc in chain[:-1]:
         _check_one(anc, arena, fingerprint, max_seq_len)
@@ -362,23 +424,33 @@ _FINGERPRINT_KEYS = ("model_type", "config", "weights", "dtype", "layout")
 
 
 def _check_one(cap: Capsule, arena: Arena, fingerprint: dict, max_seq_len: int) -> None:
-    theirs = cap.meta.fingerprint
-    if theirs is not fingerprint and theirs != fingerprint:
+    meta = cap.meta
+    theirs, pos = meta.fingerprint, meta.position
+    if theirs is not fingerprint and theirs != fingerprint:   # `is`: made by this session
         for key in _FINGERPRINT_KEYS:
             if theirs.get(key) != fingerprint.get(key):
                 raise CapsuleMismatchError(f"capsule {key} differs: capsule has {theirs.get(key)!r}, "
                                            f"runtime has {fingerprint.get(key)!r}")
-    if cap.position > max_seq_len:
-        raise CapsuleMismatchError(f"capsule position {cap.position} exceeds this runtime's "
+    if pos > max_seq_len:
+        raise CapsuleMismatchError(f"capsule position {pos} exceeds this runtime's "
                                    f"max_seq_len {max_seq_len}")
-    # The per-buffer checks depend only on the (immutable) entry table, the arena and the
-    # capacity: a table that passed them once for this arena need not be walked again.
-    fits = cap._fits
-    if fits is not None and fits[0] is cap.entries and fits[1]() is arena and fits[2] == max_seq_len \
-            and fits[3] == cap.position and fits[4] == cap.data.numel():
+    # The per-buffer checks depend only on the (immutable) entry table, the arena, the
+    # capacity and the buffer (Capsule.data is never rebound): a table that passed them once
+    # for this arena need not be walked again.
+    fits, entries = cap._fits, cap._entries
+    if fits is not None and fits[0] is entries and fits[1]() is arena and fits[2] == max_seq_len \
+            and fits[3] == pos and fits[4] is cap.data:
         return
-    _check_entries(cap, arena)
-    cap._fits = (cap.entries, weakref.ref(arena), max_seq_len, cap.position, cap.data.numel())
+    # the same entry table (fresh snapshots share theirs) passed for this arena, capacity and
+    # position: only this buffer's size is new to check
+    key, data = ("fits", id(entries)), cap.data
+    t = arena.copy_tables.get(key)
+    if not (t is not None and t[0] is entries and t[1] == max_seq_len and t[2] == pos
+            and data.numel() >= t[3]):
+        _check_entries(cap, arena)
+        _keep_table(arena, key, (entries, max_seq_len, pos, max((e.offset + e.nbytes for e in entries),
+                                                                  default=0)))
+    cap._fits = (entries, weakref.ref(arena), max_seq_len, pos, data)
 
 
 def _check_entries(cap: Capsule, arena: Arena) -> None:
@@ -386,6 +458,9 @@ def _check_entries(cap: Capsule, arena: Arena) -> None:
         if e.name not in arena:
             raise CapsuleMismatchError(f"capsule buffer {e.name!r} is not in this runtime's layout")
         spec = arena.slot(e.name).spec
+        if spec.kind not in CAPSULE_KINDS:
+            raise CapsuleMismatchError(f"capsule buffer {e.name!r} is of kind {spec.kind!r}, which no "
+                                       "capsule holds")
         want = tuple(spec.shape[1:]) if e.seq else tuple(spec.shape)
         have = tuple(e.shape[1:]) if e.seq else tuple(e.shape)
         if (spec.kind, dtype_name(spec.dtype), want, spec.seq_dim == 0) != (e.kind, e.dtype, have, e.seq):

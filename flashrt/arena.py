@@ -112,6 +112,10 @@ class Arena:
         nxt = self.slots[len(fixed)] if fixed and len(self.slots) > len(fixed) else None
         self.after_fixed = (nxt.name if nxt is not None and nxt.spec.kind in CAPSULE_KINDS
                             and nxt.spec.seq_dim == 0 else None)
+        # Copy tables between this arena and any capsule buffer of a given entry table, kept by
+        # flashrt.capsules: a fresh capsule's copy plan is the table moved onto its buffer, with
+        # no views built (the arena never moves, so its addresses stay valid).
+        self.copy_tables: dict = {}
 
     def _make_view(self, slot: Slot) -> torch.Tensor:
         raw = self.data[slot.offset: slot.offset + slot.spec.nbytes]

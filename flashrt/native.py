@@ -241,8 +241,33 @@ class SegmentPlan:
         # the table goes to the extension once: run() converts no arrays
         self._cpu = _C.CpuCopyPlan(self.src, self.dst, self.nbytes) if self.mode == "cpu" else None
 
+    @classmethod
+    def from_table(cls, src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray,
+                   device: torch.device, keep: tuple = ()) -> "SegmentPlan | None":
+        """A plan over raw addresses (int64 arrays, validated by whoever made them: e.g. a
+        checked plan's table moved onto another buffer of the same layout, which builds no
+        views). `keep` holds the buffers behind the addresses alive. None where a plan from
+        views would copy through torch (no extension; large CPU copies off torch's threads):
+        build that one from views."""
+        if not HAVE_EXT:
+            return None
+        if device.type == "cpu":
+            if not COPIES_ON_TORCH_THREADS and int(nbytes.sum()) >= _TORCH_MIN_BYTES:
+                return None
+            mode = "cpu"
+        elif device.type == "cuda" and HAVE_CUDA_EXT:
+            mode = "cuda"
+        else:
+            return None
+        self = cls.__new__(cls)
+        self.num_threads, self.pairs, self.device, self.mode = 0, [], device, mode
+        self.src, self.dst, self.nbytes, self._keep = src, dst, nbytes, keep
+        self._cpu = _C.CpuCopyPlan(src, dst, nbytes) if mode == "cpu" else None
+        return self
+
     def __len__(self) -> int:
-        return len(self.pairs)
+        """Copies per run: torch copies over views, else native segments."""
+        return len(self.pairs) if self.mode in ("strided", "torch") else len(self.nbytes)
 
     @property
     def total_bytes(self) -> int:

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import torch
 
 from flashrt.arena import CAPSULE_KINDS, Arena, BufferSpec
-from flashrt.capsules.capsule import (Capsule, CapsuleMeta, check_fits, restore_arena,
-                                      snapshot_arena)
+from flashrt.capsules.capsule import (Capsule, CapsuleMeta, ReadOnlyDict, check_fits,
+                                      restore_arena, snapshot_arena)
 from flashrt.errors import CapsuleMismatchError
 from flashrt.layers import StepCtx
 from flashrt.loader import LoadedModel
@@ -60,13 +60,17 @@ class Runtime:
             self.arena = Arena(specs, model.device)
             self.arena["io.arange"].copy_(torch.arange(options.prefill_chunk))
             seed_rng(self.arena["sampler.rng"], options.seed)
-        self.fingerprint = dict(model.fingerprint, layout=self.arena.fingerprint())
+        # fingerprint and provenance are shared, read-only, by every capsule made here: a
+        # snapshot copies no dict (each copy costs ~1 us with caches cold after a 1 MiB copy)
+        self.fingerprint = ReadOnlyDict(model.fingerprint, layout=self.arena.fingerprint())
         self._lock = threading.RLock()
-        # capsule ids: one random token per session + a counter (uuid4 per snapshot costs
-        # ~30 us of os.urandom on the hot path); provenance is fixed for the session's life
-        self._uid, self._serial = uuid.uuid4().hex[:16], itertools.count()
-        self._provenance = {"device": str(model.device), "torch": torch.__version__,
-                            "flashrt": __version__, "pid": os.getpid(), "linear": model.linear_kernel}
+        # capsule ids "<session token>-<counter>": uuid4 per snapshot costs ~30 us of
+        # os.urandom; a chain of C iterators runs no bytecode (an f-string with a format spec
+        # costs ~0.6 us hot, more after a copy has evicted the caches)
+        self._ids = map(f"{uuid.uuid4().hex[:16]}-".__add__, map(str, itertools.count()))
+        self._provenance = ReadOnlyDict(
+            device=str(model.device), torch=torch.__version__, flashrt=__version__, pid=os.getpid(),
+            linear=model.linear_kernel, threads=torch.get_num_threads())
         self._pos = 0
         self._checkpoints: list[Capsule] = []     # fixed state at multiples of checkpoint_every
         # (capsule, generation) pairs whose per-token rows equal the arena's rows below their
@@ -107,6 +111,7 @@ class Runtime:
     def _step(self, ids: torch.Tensor, all_logits: bool = False):
         """Advance by len(ids) tokens (already validated). Returns all-position logits if asked."""
         T, start = ids.shape[0], self._pos
+        self._note_threads()
         if self.graphs is not None and not all_logits and T <= self.graphs.max_size:
             self.graphs.run(ids)
             self._pos += T
@@ -116,6 +121,13 @@ class Runtime:
         self._commit(ids, ctx.positions, logits[-1], start + T)
         self._pos += T
         return logits
+
+    def _note_threads(self) -> None:
+        """Provenance records the intra-op thread count of the last step (CPU bits depend on
+        it); checked per step, so a snapshot never asks torch."""
+        n = torch.get_num_threads()
+        if n != self._provenance["threads"]:
+            self._provenance = ReadOnlyDict(self._provenance, threads=n)
 
     def _commit(self, ids, positions, last_logits, new_pos: int | None):
         """Bookkeeping shared by the eager and the captured step (new_pos None: on device)."""
@@ -256,12 +268,11 @@ class Runtime:
 
     # ---- capsules -----------------------------------------------------------------------------
     def _capsule_meta(self, single_use=False, parent: Capsule | None = None) -> CapsuleMeta:
-        # every snapshot pays this next to a ~40 us copy at 1 MiB: dict displays and positional
-        # arguments (copies, so a capsule's meta never aliases the runtime's)
+        # every snapshot pays this next to a ~40 us copy at 1 MiB: positional arguments and
+        # the session's shared read-only fingerprint and provenance
         ref = {"id": parent.id, "position": parent.position} if parent is not None else None
-        return CapsuleMeta(self._pos, self.fingerprint.copy(),
-                           {**self._provenance, "threads": torch.get_num_threads()}, ref, single_use,
-                           {"id": f"{self._uid}{next(self._serial):08x}"})
+        return CapsuleMeta(self._pos, self.fingerprint, self._provenance, ref, single_use,
+                           {"id": next(self._ids)})
 
     # no torch.no_grad() on snapshot/restore: they move raw uint8 bytes that autograd never
     # sees, and the decorator costs ~5 us per call on a path measured against a plain copy
@@ -274,7 +285,7 @@ class Runtime:
         fixed state and references the parent (a shared-prefix capsule).
         """
         with self._lock:
-            if into is not None:
+            if into is not None and into.meta.fingerprint is not self.fingerprint:
                 self._check_into(into)
             if parent is not None and not self._is_anchor(parent):
                 raise CapsuleMismatchError(
@@ -282,7 +293,11 @@ class Runtime:
                     "(it was not restored or snapshotted here, or rows below it were rewritten)")
             cap = snapshot_arena(self.arena, self._pos, self._capsule_meta(single_use, parent),
                                  into=into, parent=parent)
-            self._add_anchor(cap)
+            a = self._anchors
+            if a and a[-1][0] is cap:         # snapshot(into=) the same capsule again
+                a[-1] = (cap, cap.generation)
+            else:
+                self._add_anchor(cap)
             return cap
 
     def _is_anchor(self, cap: Capsule) -> bool:
@@ -290,11 +305,7 @@ class Runtime:
                    for c, g in self._anchors)
 
     def _add_anchor(self, cap: Capsule) -> None:
-        a = self._anchors
-        if a and a[-1][0] is cap:         # snapshot(into=) the same capsule again
-            a[-1] = (cap, cap.generation)
-            return
-        self._anchors = [(c, g) for c, g in a if c is not cap][-7:] + [(cap, cap.generation)]
+        self._anchors = [(c, g) for c, g in self._anchors if c is not cap][-7:] + [(cap, cap.generation)]
 
     def empty_capsule(self, max_tokens: int | None = None) -> Capsule:
         """A preallocated capsule buffer for snapshot(into=), sized for max_tokens (default: all)."""
@@ -302,7 +313,7 @@ class Runtime:
         _, need = plan_entries(self.arena, self.max_seq_len if max_tokens is None else max_tokens)
         pin = self.model.device.type == "cpu" and torch.cuda.is_available()
         data = torch.empty(need, dtype=torch.uint8, device=self.model.device, pin_memory=pin)
-        return Capsule(data, [], CapsuleMeta(0, dict(self.fingerprint), {}))
+        return Capsule(data, [], CapsuleMeta(0, self.fingerprint, {}))
 
     def _check_into(self, cap: Capsule):
         if cap.meta.fingerprint != self.fingerprint:
@@ -317,13 +328,16 @@ class Runtime:
                 if bad:
                     raise ValueError(f"restore(kinds=): unknown or non-capsule kinds {sorted(bad)}")
             chain = check_fits(cap, self.arena, self.fingerprint, self.max_seq_len)
-            cap.claim()                                   # validation first, then consume
-            restore_arena(self.arena, cap, (CAPSULE_KINDS if kinds is None else want) & cap.kinds, chain)
-            self._pos = cap.position
+            if cap.meta.single_use:
+                cap.claim()                               # validation first, then consume
+            # check_fits refused entries of other kinds: restoring all needs no set algebra
+            restore_arena(self.arena, cap, cap._kinds if kinds is None else want & cap._kinds, chain)
+            self._pos = cap.meta.position
             if self._checkpoints:
                 self._checkpoints.clear()
             # a partial restore leaves a mixed state: nothing may build on it
-            self._anchors = [(c, c.generation) for c in chain] if kinds is None else []
+            self._anchors = ([] if kinds is not None else [(cap, cap.generation)] if len(chain) == 1
+                             else [(c, c.generation) for c in chain])
 
     @torch.no_grad()
     def set_context(self, tokens, store=None, remember: bool = True) -> torch.Tensor:

@@ -273,7 +273,7 @@ class SpecSteps(EagerSteps):
         rt, a = self.rt, self.rt.arena
         P = rt._pos
         w = max(0, min(P, rt.max_seq_len - self.max_T))
-        fixed = snapshot_arena(a, P, CapsuleMeta(P, dict(rt.fingerprint), {}), fixed_only=True)
+        fixed = snapshot_arena(a, P, CapsuleMeta(P, rt.fingerprint, {}), fixed_only=True)
         rows = {n: a[n][w: P].clone() for n in a.names() if a.slot(n).spec.seq_dim == 0
                 and a.slot(n).spec.kind in ("kv", "mtp")} if w < P else {}
         a["meta.position"].fill_(w)
@@ -402,6 +402,7 @@ class _Generation:
 
     def _commit(self, toks: list[int], logits_last: torch.Tensor):
         rt, P, n = self.rt, self.rt._pos, len(toks)
+        rt._note_threads()
         rt._commit(self._t(toks), torch.arange(P, P + n, device=self.dev), logits_last, P + n)
         rt._pos = P + n
         rt._maybe_checkpoint()

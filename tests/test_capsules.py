@@ -2,7 +2,9 @@
 fork independence, RNG travel, rollback, validation."""
 from __future__ import annotations
 
+import copy
 import dataclasses
+import pickle
 import threading
 
 import pytest
@@ -227,7 +229,7 @@ def test_validation_refuses_and_leaves_state(runtime, ckpt):
     short = runtime("qwen3", max_seq_len=8)
     for key, val in (("config", "x"), ("dtype", "bfloat16"), ("layout", "y")):
         bad = rt.snapshot()
-        bad.meta.fingerprint[key] = val
+        bad.meta.fingerprint = {**bad.meta.fingerprint, key: val}
         refused(bad, key)
     with pytest.raises(flashrt.CapsuleMismatchError, match="max_seq_len 8"):
         short.restore(good)
@@ -247,7 +249,7 @@ def test_validation_after_a_passed_restore(runtime):
     rt.restore(cap)                                # passes; the check result is cached
     rt.prefill(_ids(3, 23))
     before = rt.arena.data.clone()
-    cap.meta.fingerprint["weights"] = "0" * 16
+    cap.meta.fingerprint = {**cap.meta.fingerprint, "weights": "0" * 16}
     with pytest.raises(flashrt.CapsuleMismatchError, match="weights"):
         rt.restore(cap)
     cap.meta.fingerprint = dict(rt.fingerprint)
@@ -265,6 +267,85 @@ def test_validation_after_a_passed_restore(runtime):
     cap.meta.position -= 1
     rt.restore(cap)
     assert rt.position == 12
+
+
+def test_shared_metadata_is_read_only(runtime):
+    """Snapshots share the session's fingerprint and provenance (no copies): editing them in
+    place is refused, so one capsule can never change another's; provenance records the
+    thread count of the last step, not of the snapshot."""
+    rt = runtime("qwen3")
+    rt.prefill(_ids(9, 31))
+    a, b = rt.snapshot(), rt.snapshot()
+    assert a.meta.fingerprint is b.meta.fingerprint is rt.fingerprint
+    for edit in (lambda f: f.__setitem__("weights", "0"), lambda f: f.update(dtype="x"),
+                 lambda f: f.pop("layout"), lambda f: f.clear(), lambda f: f.__delitem__("config")):
+        with pytest.raises(TypeError, match="read-only"):
+            edit(a.meta.fingerprint)
+        with pytest.raises(TypeError, match="read-only"):
+            edit(a.meta.provenance)
+    assert rt.fingerprint["weights"] == b.meta.fingerprint["weights"] != "0" and "layout" in rt.fingerprint
+    assert copy.deepcopy(a.meta.fingerprint) == rt.fingerprint
+    assert pickle.loads(pickle.dumps(a.meta.provenance)) == a.meta.provenance
+    n = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert rt.snapshot().meta.provenance["threads"] == n       # no step yet at 1 thread
+        rt.decode(5)
+        assert rt.snapshot().meta.provenance["threads"] == 1
+        assert a.meta.provenance["threads"] == n                   # earlier capsules keep theirs
+    finally:
+        torch.set_num_threads(n)
+
+
+def test_capsule_holding_an_io_buffer_is_refused(runtime):
+    """io and scratch buffers are never part of a capsule: a table naming one (a crafted
+    file) is refused before any byte is written."""
+    rt = runtime("qwen3")
+    rt.prefill(_ids(6, 32))
+    cap = rt.snapshot()
+    io = rt.arena.slot("io.ids")
+    extra = dataclasses.replace(cap.entries[0], name="io.ids", kind="io", dtype="int64",
+                                shape=tuple(io.spec.shape), seq=False, offset=0)
+    cap.entries = cap.entries + (extra,)
+    before = rt.arena.data.clone()
+    with pytest.raises(flashrt.CapsuleMismatchError, match="io.ids.*kind 'io'"):
+        rt.restore(cap)
+    assert torch.equal(rt.arena.data, before)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_fresh_capsules_share_one_copy_table(arch, runtime):
+    """snapshot() plans from views once per position, then moves that table onto each new
+    buffer (and restore of a capsule with the same entry table likewise): every such capsule
+    holds exactly the arena's bytes and restores exactly, in this session and in a fork."""
+    rt = runtime(arch)
+    rt.prefill(_ids(13, 41))
+    first = rt.snapshot()
+    rt.decode(3)
+    rt.restore(first)                              # a restore plan for first's entry table
+
+    def live(cap):
+        return torch.cat([rt.arena.bytes_of(e.name, e.shape[0] if e.seq else None) for e in cap.entries])
+
+    caps, states = [], []
+    for step in (7, 9, 11):
+        rt.restore(first)
+        rt.decode(step)                            # position 14 each time, different bytes
+        caps.append(rt.snapshot())
+        states.append(state_bytes(rt))
+        assert torch.equal(torch.cat([caps[-1].raw(e) for e in caps[-1].entries]), live(caps[-1]))
+    assert caps[1].entries is caps[0].entries and caps[2].entries is caps[0].entries
+    assert not torch.equal(states[0], states[1])
+    for cap, want in list(zip(caps, states))[::-1]:
+        rt.restore(cap)
+        assert torch.equal(state_bytes(rt), want)
+        assert torch.equal(state_bytes(rt.fork(cap)), want)
+    # same entry table, too small a buffer: the shared check result does not let it through
+    short = flashrt.Capsule(caps[0].data[: caps[0].nbytes - 64], caps[0].entries, caps[0].meta)
+    before = rt.arena.data.clone()
+    with pytest.raises(flashrt.CapsuleMismatchError, match="outside the capsule data"):
+        rt.restore(short)
+    assert torch.equal(rt.arena.data, before)
 
 
 def test_single_use_capsule_threads(runtime):

@@ -225,6 +225,28 @@ def test_plan_reuse(backend):
         assert torch.equal(d, d2)
 
 
+def test_plan_from_a_table_moved_onto_another_buffer(backend):
+    """A plan's table, destinations shifted onto a second buffer of the same layout, copies
+    exactly what a plan built from views of that buffer copies; without the extension the
+    caller is told to build from views (None)."""
+    pairs, dst, expected = random_segments(random.Random(5), 1 << 16, 40, 900)
+    plan = native.SegmentPlan(pairs)
+    other = torch.full_like(dst, 7)
+    moved = native.SegmentPlan.from_table(plan.src, plan.dst - dst.data_ptr() + other.data_ptr(),
+                                          plan.nbytes, other.device, (other,))
+    if backend == "torch":
+        assert moved is None
+        return
+    assert moved.mode == "cpu" and len(moved) == len(plan.nbytes)
+    moved.run()
+    want = torch.full_like(dst, 7)
+    for s, d in pairs:
+        o = d.data_ptr() - dst.data_ptr()
+        want[o:o + d.numel()] = s
+    assert torch.equal(other, want)
+    assert not torch.equal(dst, expected)          # the plan's own destination is untouched
+
+
 @pytest.mark.parametrize("bad, msg", [
     (lambda a, b: (a[:10], b[:11]), "10 bytes"),
     (lambda a, b: (a[:16].view(torch.int32), b[:4].view(torch.int32)), "uint8"),
