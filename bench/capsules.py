@@ -177,11 +177,15 @@ def bench_arch(arch, a, tmp, tables, quick_note):
         probe = C.time_once(lambda: d.copy_(s), a.device, inner=5)[0]
         k = max(1, min(200, int(2e-3 / max(probe, 1e-6))))
         row["calls_per_sample"] = k
+        # a ~2 ms sample moves with every hiccup of the machine and costs little: at least 31
+        # rounds of them (~3 s), so a handful of samples does not decide the median
+        reps = a.repeats if a.quick or k == 1 else max(a.repeats, 31)
+        row["device_rounds"] = reps
         st = C.measure({
             "plain_copy": C.Case(lambda: d.copy_(s), setup=flush, inner=k),
             "snapshot_into": C.Case(lambda: rt.snapshot(into=pre), setup=flush, inner=k),
             "restore": C.Case(lambda: rt.restore(pre), setup=flush, inner=k),
-        }, a.repeats, a.warmup, a.device, desc=f"{arch} {C.fmt_bytes(nb)} device")
+        }, reps, a.warmup, a.device, desc=f"{arch} {C.fmt_bytes(nb)} device")
         st.update(C.measure({
             "snapshot_fresh": C.Case(lambda: rt.snapshot()),
             "empty_copy": C.Case(lambda: torch.empty(nb, dtype=torch.uint8, device=dev).copy_(s)),
@@ -268,7 +272,8 @@ def bench_arch(arch, a, tmp, tables, quick_note):
                   "plain copy, snapshot(into) and restore: each sample is the mean of back-to-back "
                   "calls (as many as make ~2 ms of plain copy; 'calls_per_sample' in the JSON), "
                   "the three cases interleaved round by round, caches flushed (128 MiB written) "
-                  "before every sample"]
+                  "before every sample; medians over max(--repeats, 31) rounds where a sample "
+                  "averages several calls ('device_rounds' in the JSON)"]
     dsk.notes += ["save = block checksums (all cores) + header + one gathered write + fsync + "
                   "atomic rename + directory fsync; load(into) = into a capsule allocated once "
                   "(rt.empty_capsule()) that holds the file's entry table from an earlier load: "
