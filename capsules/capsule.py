@@ -88,7 +88,6 @@ class Capsule:
         self.meta = meta
         self._claim = threading.Lock()
         self._consumed = False
-        self.generation = 0               # bumped when rewritten in place (snapshot(into=))
         self.parent_capsule: Capsule | None = None   # delta capsules: rows below row0 live here
         # Copy plans reused across calls (the buffers never move): key -> (arena ref, entries, plan)
         self._plans: dict = {}
@@ -347,7 +346,9 @@ def _fresh_snapshot(arena: Arena, position: int, meta: CapsuleMeta, pin: bool, f
 
 def snapshot_arena(arena: Arena, position: int, meta: CapsuleMeta, into: Capsule | None = None,
                    pin: bool = False, fixed_only: bool = False, parent: Capsule | None = None) -> Capsule:
-    row0 = parent.position if parent is not None else 0
+    """meta.parent set: a delta capsule over the rows below meta.parent["position"]; parent,
+    when given, is attached as the capsule that holds them."""
+    row0 = meta.parent["position"] if meta.parent is not None else 0
     if into is None:
         cap = _fresh_snapshot(arena, position, meta, pin, fixed_only, row0)
         cap.parent_capsule = parent
@@ -363,7 +364,6 @@ def snapshot_arena(arena: Arena, position: int, meta: CapsuleMeta, into: Capsule
         _remember(cap, arena, key, entries, seg)
     cap.entries, cap.meta = entries, meta
     cap._consumed = False
-    cap.generation += 1
     cap.parent_capsule = parent
     seg.run()
     return cap

@@ -341,7 +341,6 @@ def _filled(into: Capsule | None, data, table: _Table, meta: CapsuleMeta) -> Cap
         cap = into
         cap.entries, cap.meta = table.entries, meta
         cap._consumed, cap.parent_capsule = False, None
-        cap.generation += 1
     cap._file_table = table
     return cap
 

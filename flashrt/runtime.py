@@ -10,6 +10,7 @@ import os
 import threading
 import uuid
 import warnings
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -17,7 +18,7 @@ import torch
 from flashrt.arena import CAPSULE_KINDS, Arena, BufferSpec
 from flashrt.capsules.capsule import (Capsule, CapsuleMeta, ReadOnlyDict, check_fits,
                                       restore_arena, snapshot_arena)
-from flashrt.errors import CapsuleMismatchError
+from flashrt.errors import CapsuleError, CapsuleMismatchError
 from flashrt.layers import StepCtx
 from flashrt.loader import LoadedModel
 from flashrt.sampler import sample, seed_rng, validate
@@ -73,8 +74,8 @@ class Runtime:
             linear=model.linear_kernel, threads=torch.get_num_threads())
         self._pos = 0
         self._checkpoints: list[Capsule] = []     # fixed state at multiples of checkpoint_every
-        # (capsule, generation) pairs whose per-token rows equal the arena's rows below their
-        # position: parents for shared-prefix snapshots and sources for rollback.
+        # (weakref, id, position) of capsules whose rows equal ours below that position (see
+        # _extends). Weak: the session never keeps a capsule's memory the caller let go of.
         self._anchors: list[tuple] = []
         self._has_fixed_state = any(s.spec.kind in ("recurrent", "conv", "mtp")
                                     for s in self.arena.slots)
@@ -267,11 +268,10 @@ class Runtime:
             seed_rng(self.arena["sampler.rng"], seed)
 
     # ---- capsules -----------------------------------------------------------------------------
-    def _capsule_meta(self, single_use=False, parent: Capsule | None = None) -> CapsuleMeta:
+    def _capsule_meta(self, single_use: bool = False, parent: dict | None = None) -> CapsuleMeta:
         # every snapshot pays this next to a ~40 us copy at 1 MiB: positional arguments and
         # the session's shared read-only fingerprint and provenance
-        ref = {"id": parent.id, "position": parent.position} if parent is not None else None
-        return CapsuleMeta(self._pos, self.fingerprint, self._provenance, ref, single_use,
+        return CapsuleMeta(self._pos, self.fingerprint, self._provenance, parent, single_use,
                            {"id": next(self._ids)})
 
     # no torch.no_grad() on snapshot/restore: they move raw uint8 bytes that autograd never
@@ -287,25 +287,45 @@ class Runtime:
         with self._lock:
             if into is not None and into.meta.fingerprint is not self.fingerprint:
                 self._check_into(into)
-            if parent is not None and not self._is_anchor(parent):
-                raise CapsuleMismatchError(
-                    f"snapshot(parent=): this session's state does not extend capsule {parent.id} "
-                    "(it was not restored or snapshotted here, or rows below it were rewritten)")
-            cap = snapshot_arena(self.arena, self._pos, self._capsule_meta(single_use, parent),
-                                 into=into, parent=parent)
-            a = self._anchors
-            if a and a[-1][0] is cap:         # snapshot(into=) the same capsule again
-                a[-1] = (cap, cap.generation)
-            else:
-                self._add_anchor(cap)
-            return cap
+            ref = None
+            if parent is not None:
+                ref = {"id": parent.id, "position": parent.position}
+                if not self._extends(ref):
+                    raise CapsuleMismatchError(
+                        f"snapshot(parent=): this session's state does not extend capsule {parent.id} "
+                        "(it was not restored or snapshotted here, or rows below it were rewritten)")
+            return self._snapshot(into, single_use, ref, parent)
 
-    def _is_anchor(self, cap: Capsule) -> bool:
-        return any(c is cap and g == cap.generation and c.position <= self._pos
-                   for c, g in self._anchors)
+    def _snapshot(self, into, single_use, ref, parent) -> Capsule:
+        meta = self._capsule_meta(single_use, ref)
+        cap = snapshot_arena(self.arena, self._pos, meta, into=into, parent=parent)
+        a = self._anchors
+        if a and a[-1][0]() is cap:           # snapshot(into=) the same capsule again
+            a[-1] = (a[-1][0], meta.extra["id"], self._pos)
+        else:
+            self._add_anchor(cap)
+        return cap
+
+    # Anchors: (weakref to capsule, its id, its position) for capsules whose per-token rows
+    # equal this session's rows below that position: parents for shared-prefix snapshots and
+    # sources for rollback. An id names fixed content (rewriting a capsule gives it a new one),
+    # so a dropped capsule still names a stored copy by id, while only live ones are sources.
+    def _extends(self, ref: dict) -> bool:
+        return bool(ref["id"]) and any(i == ref["id"] and p == ref["position"] <= self._pos
+                                       for _, i, p in self._anchors)
+
+    def _anchored(self, position: int) -> list[Capsule]:
+        """Live anchored capsules, unchanged since (same id), at or below position."""
+        return [c for r, i, p in self._anchors
+                if p <= position and (c := r()) is not None and c.id == i]
 
     def _add_anchor(self, cap: Capsule) -> None:
-        self._anchors = [(c, g) for c, g in self._anchors if c is not cap][-7:] + [(cap, cap.generation)]
+        self._anchors = ([a for a in self._anchors if a[0]() is not cap][-7:]
+                         + [(weakref.ref(cap), cap.id, cap.position)])
+
+    def _drop_anchors_above(self, position: int) -> None:
+        """Rows from position on are about to be rewritten: capsules above it stop anchoring."""
+        self._anchors = [a for a in self._anchors if a[2] <= position]
 
     def empty_capsule(self, max_tokens: int | None = None) -> Capsule:
         """A preallocated capsule buffer for snapshot(into=), sized for max_tokens (default: all)."""
@@ -336,8 +356,8 @@ class Runtime:
             if self._checkpoints:
                 self._checkpoints.clear()
             # a partial restore leaves a mixed state: nothing may build on it
-            self._anchors = ([] if kinds is not None else [(cap, cap.generation)] if len(chain) == 1
-                             else [(c, c.generation) for c in chain])
+            self._anchors = ([] if kinds is not None else [(weakref.ref(cap), cap.id, cap.meta.position)]
+                             if len(chain) == 1 else [(weakref.ref(c), c.id, c.position) for c in chain])
 
     @torch.no_grad()
     def set_context(self, tokens, store=None, remember: bool = True) -> torch.Tensor:
@@ -369,11 +389,15 @@ class Runtime:
             if self._pos < len(toks):
                 self._advance(torch.tensor(toks[self._pos:], device=self.model.device), False)
             if remember and store is not None and m < len(toks):
-                stored = [c for c, g in self._anchors if c.generation == g and c.position <= self._pos
-                          and store.key_of(c.id) is not None]
+                # the deepest stored capsule this state extends; the session's own object for
+                # it may be gone (anchors are weak): the store resolves the parent by id
+                stored = [(p, i, r()) for r, i, p in self._anchors
+                          if p <= self._pos and store.key_of(i) is not None]
+                p, i, obj = max(stored, key=lambda a: a[0], default=(0, None, None))
+                ref = {"id": i, "position": p} if i is not None else None
                 try:
-                    store.put(self.snapshot(parent=max(stored, key=lambda c: c.position, default=None)))
-                except ValueError as e:               # the context is set; only the memo failed
+                    store.put(self._snapshot(None, False, ref, obj if obj is not None and obj.id == i else None))
+                except (ValueError, CapsuleError) as e:   # the context is set; only the memo failed
                     warnings.warn(f"set_context: boundary not remembered: {e}")
             return self.arena["meta.logits"].clone()
 
@@ -412,7 +436,8 @@ class Runtime:
         """Return to an earlier token boundary of the current history.
 
         KV is rewound by position (rows below stay valid); fixed state comes from the nearest
-        checkpoint at or before `position`, and the gap is re-prefilled from the token history.
+        checkpoint, or capsule of this history the caller still holds, at or before `position`,
+        and the gap is re-prefilled from the token history.
         The RNG stream is not rewound, so a retry samples afresh.
         """
         with self._lock:
@@ -424,7 +449,7 @@ class Runtime:
             self._checkpoints = [c for c in self._checkpoints if c.position <= position]
             src = self._rollback_source(position)
             floor = src.position if src is not None else 0     # rows from here are rewritten
-            self._anchors = [(c, g) for c, g in self._anchors if c.position <= floor]
+            self._drop_anchors_above(floor)
             if src is None:
                 self.reset()
             elif isinstance(src, Capsule):
@@ -438,7 +463,7 @@ class Runtime:
 
     def _rollback_source(self, position: int):
         cands = [c for c in self._checkpoints if c.position <= position]
-        cands += [c for c, g in self._anchors if c.generation == g and c.position <= position]
+        cands += self._anchored(position)
         if not self._has_fixed_state and position > 0 and not any(c.position == position for c in cands):
             return _KVOnlyPoint(position - 1)   # attention-only: KV rows are the whole state
         return max(cands, key=lambda c: c.position, default=None)

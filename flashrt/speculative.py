@@ -410,7 +410,7 @@ class _Generation:
     def _write_mtp(self, tokens: torch.Tensor, hidden: torch.Tensor, row0: int):
         # rows below the committed position change: capsules that hold the old rows are no
         # longer anchors (parents for delta snapshots / rollback sources)
-        self.rt._anchors = [(c, g) for c, g in self.rt._anchors if c.position <= row0]
+        self.rt._drop_anchors_above(row0)
         return self.steps.mtp(tokens, hidden, row0)
 
     # -- prompt -----------------------------------------------------------------------------
@@ -432,7 +432,7 @@ class _Generation:
         hid, toks = torch.cat(hs)[:-1], (t if start > 0 else t[1:])
         row0, chunk = (start - 1 if start > 0 else 0), rt.options.prefill_chunk
         for j in range(0, toks.shape[0], chunk):
-            self.rt._anchors = [(c, g) for c, g in self.rt._anchors if c.position <= row0 + j]
+            self.rt._drop_anchors_above(row0 + j)
             EagerSteps.mtp(self.steps, toks[j: j + chunk], hid[j: j + chunk], row0 + j)
 
     # -- drafting ---------------------------------------------------------------------------

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import gc
 import pickle
 import threading
+import weakref
 
 import pytest
 import torch
@@ -164,6 +166,27 @@ def test_rollback_after_restore_uses_capsule(runtime):
     fresh = runtime(arch)
     fresh.prefill(h[:20])
     assert torch.equal(rt.arena["meta.logits"], fresh.arena["meta.logits"])
+
+
+def test_session_does_not_keep_dropped_capsules(runtime):
+    """Anchors (delta parents, rollback sources) are weak: a capsule the caller dropped, or
+    the one fork() made of the live state, is freed at once; a held one still serves rollback."""
+    arch = "qwen3_5" if "qwen3_5" in ARCHS else "qwen3"
+    rt = runtime(arch, checkpoint_every=1000)
+    h = _ids(24, 17)
+    rt.prefill(h[:16])
+    cap = rt.snapshot()
+    gone = weakref.ref(rt.snapshot())
+    gc.collect()
+    assert gone() is None
+    child = rt.fork()                  # snapshots the live state for the child
+    gc.collect()
+    made_for_fork = rt._anchors[-1][0]
+    assert made_for_fork() is None and rt._anchors[-2][0]() is None
+    assert torch.equal(state_bytes(child), state_bytes(rt))
+    rt.prefill(h[16:])
+    rt.rollback(16)                    # the held capsule is the source (no checkpoint below 1000)
+    assert torch.equal(state_bytes(rt), state_bytes(runtime(arch).fork(cap)))
 
 
 @pytest.mark.parametrize("arch", ARCHS)
