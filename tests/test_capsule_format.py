@@ -394,6 +394,29 @@ def _with_header_replaced(raw: bytes, old: bytes, new: bytes) -> bytes:
     return header[:at] + fmt._checksum(header, at, digests).encode() + header[at + 16:] + payload
 
 
+def test_overlapping_entries_are_refused_with_a_valid_checksum(tmp_path):
+    """Entry offsets come from the (checksummed) header; a file whose checksum was recomputed
+    over overlapping entries is still refused, so no entry's bytes land on another's. Parsed
+    tables are memoized per entries text; the memo shares, and never changes, a table."""
+    cap = ascii_capsule()
+    path = tmp_path / "c.cap"
+    cap.save(path)
+    e0, e1 = cap.entries[0], cap.entries[1]
+
+    def row(e, offset):   # the entry's row as it sits in the header (a JSON string in JSON)
+        r = json.dumps([e.name, e.kind, e.dtype, list(e.shape), offset, e.seq, e.row0],
+                       separators=(",", ":"))
+        return json.dumps(r)[1:-1].encode()
+
+    good = Capsule.load(path)
+    assert Capsule.load(path).entries is good.entries               # one parsed table
+    with pytest.raises(ValueError):
+        good._file_table.offsets[0] = 1                              # shared: read-only
+    path.write_bytes(_with_header_replaced(path.read_bytes(), row(e1, e1.offset), row(e1, e0.offset)))
+    with pytest.raises(CapsuleCorruptError, match="c.cap: entry offsets overlap"):
+        Capsule.load(path)
+
+
 @needs_ext
 def test_native_path_detects_every_flipped_byte(tmp_path, fast_statuses):
     """Damage anywhere is refused when the target already holds the file's table, and a refusal
