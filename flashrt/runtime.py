@@ -336,7 +336,8 @@ class Runtime:
         return Capsule(data, [], CapsuleMeta(0, self.fingerprint, {}))
 
     def _check_into(self, cap: Capsule):
-        if cap.meta.fingerprint != self.fingerprint:
+        # a capsule holding nothing (a refused load(into=) emptied it) is a plain buffer
+        if cap.entries and cap.meta.fingerprint != self.fingerprint:
             raise CapsuleMismatchError("snapshot(into=): that capsule was made by another model/layout")
 
     def restore(self, cap: Capsule, kinds=None) -> None:

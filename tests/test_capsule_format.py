@@ -10,11 +10,12 @@ import safetensors
 import safetensors.torch
 import torch
 
+import flashrt
 import flashrt.capsules.format as fmt
 import flashrt.native as fmt_native
 from flashrt.arena import CAPSULE_KINDS
 from flashrt.capsules.capsule import Capsule, CapsuleMeta, Entry, dtype_from_name
-from flashrt.errors import CapsuleCorruptError
+from flashrt.errors import CapsuleCorruptError, CapsuleMismatchError
 
 
 def make_capsule(position=5, seed=0, single_use=False, parent=None) -> Capsule:
@@ -279,7 +280,7 @@ def test_load_into_preallocated(saved, tmp_path):
         assert got.nbytes == want.nbytes and got.kinds == want.kinds
 
 
-def test_real_runtime_load_into(runtime, tmp_path):
+def test_real_runtime_load_into(runtime, ckpt, tmp_path):
     rt = runtime("qwen3")
     rt.prefill([3, 1, 4, 1, 5, 9, 2, 6])
     cap = rt.snapshot()
@@ -288,6 +289,16 @@ def test_real_runtime_load_into(runtime, tmp_path):
     target = rt.empty_capsule()
     rt.restore(Capsule.load(tmp_path / "rt.capsule", into=target))
     assert rt.generate(max_new_tokens=4) == want
+    # a refused load empties the target; the session can still snapshot into it
+    raw = (tmp_path / "rt.capsule").read_bytes()
+    (tmp_path / "bad.capsule").write_bytes(raw[:-1] + bytes([raw[-1] ^ 1]))
+    with pytest.raises(CapsuleCorruptError):
+        Capsule.load(tmp_path / "bad.capsule", into=target)
+    assert not target.entries
+    assert rt.snapshot(into=target) is target and target.position == rt.position
+    other = flashrt.load(ckpt("qwen3", seed=1), dtype="float32", max_seq_len=64)   # other weights
+    with pytest.raises(CapsuleMismatchError, match="another model"):
+        other.snapshot(into=target)                # holds qwen3 state now: refused elsewhere
 
 
 def test_save_after_snapshot_into_at_another_position(runtime, tmp_path):
