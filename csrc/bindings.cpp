@@ -31,6 +31,14 @@ PYBIND11_MODULE(_C, m) {
         "Same as copy_segments_cpu for device memory of the current device, as one kernel "
         "launch on `stream` (a cudaStream_t as int); asynchronous.");
 #endif
+#ifdef FLASHRT_SMALL_M_LINEAR
+  m.def("small_m_linear", &flashrt::launch::small_m_linear, py::arg("x"), py::arg("w"), py::arg("y"),
+        py::arg("m"), py::arg("n"), py::arg("k"), py::arg("num_threads") = 0,
+        "y (m, n) = x (m, k) @ w (n, k).T at host addresses, float32, contiguous rows; "
+        "num_threads=0 uses OpenMP's thread count. For small m (a short step's projections).");
+#endif
+  m.def("small_m_linear_isa", &flashrt::launch::small_m_linear_isa,
+        "'avx2-fma' where small_m_linear runs on this CPU, '' otherwise.");
   m.def("xxh64", &flashrt::launch::xxh64, py::arg("ptr"), py::arg("nbytes"), py::arg("seed") = 0,
         "XXH64 of nbytes bytes at host address ptr, as an unsigned 64-bit int.");
   m.def("xxh3_isa", &flashrt::launch::xxh3_isa,

@@ -29,6 +29,14 @@ const char* openmp_runtime();
 void segcopy_cuda(const int64_t* src, const int64_t* dst, const int64_t* nbytes,
                   int64_t n, std::uintptr_t stream);
 
+// y (M, N) = x (M, K) w (N, K)^T, float32, all row-major and contiguous, for
+// small M (see linear_cpu.cpp; x86-64 builds only). Threads split the columns
+// (0 = OpenMP's thread count); results do not depend on it.
+void small_m_linear(const float* x, const float* w, float* y, int64_t M, int64_t N, int64_t K,
+                    int num_threads);
+// "avx2-fma" when this CPU runs small_m_linear, "" otherwise.
+const char* small_m_linear_isa();
+
 // Standard XXH64 (the vendored reference, see xxhash.cpp).
 uint64_t xxh64(const void* data, std::size_t len, uint64_t seed);
 

@@ -56,6 +56,26 @@ void CpuCopyPlan::run(int num_threads) const {
   segcopy_cpu(src_.data(), dst_.data(), nbytes_.data(), size(), num_threads);
 }
 
+#ifdef FLASHRT_SMALL_M_LINEAR
+void small_m_linear(std::uintptr_t x, std::uintptr_t w, std::uintptr_t y, int64_t m, int64_t n,
+                    int64_t k, int num_threads) {
+  if (*flashrt::small_m_linear_isa() == '\0')
+    throw std::runtime_error("small_m_linear needs AVX2 and FMA, which this CPU lacks");
+  if (m <= 0 || n <= 0 || k <= 0)
+    throw std::invalid_argument("small_m_linear: m, n, k must be positive, got " + std::to_string(m) +
+                                ", " + std::to_string(n) + ", " + std::to_string(k));
+  if (x == 0 || w == 0 || y == 0) throw std::invalid_argument("small_m_linear: null address");
+  if (num_threads < 0) throw std::invalid_argument("num_threads must be >= 0 (0 = all cores)");
+  py::gil_scoped_release nogil;  // the caller holds the tensors
+  flashrt::small_m_linear(reinterpret_cast<const float*>(x), reinterpret_cast<const float*>(w),
+                          reinterpret_cast<float*>(y), m, n, k, num_threads);
+}
+
+std::string small_m_linear_isa() { return flashrt::small_m_linear_isa(); }
+#else
+std::string small_m_linear_isa() { return ""; }
+#endif
+
 #ifdef FLASHRT_WITH_CUDA
 void copy_segments_cuda(const Int64Array& src, const Int64Array& dst, const Int64Array& nbytes,
                         std::uintptr_t stream) {

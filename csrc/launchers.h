@@ -35,6 +35,13 @@ class CpuCopyPlan {
   std::vector<int64_t> src_, dst_, nbytes_;
 };
 
+#ifdef FLASHRT_SMALL_M_LINEAR
+// y = x w^T at host addresses (float32, contiguous; the Python wrapper checks the tensors).
+void small_m_linear(std::uintptr_t x, std::uintptr_t w, std::uintptr_t y, int64_t m, int64_t n,
+                    int64_t k, int num_threads);
+#endif
+std::string small_m_linear_isa();
+
 uint64_t xxh64(std::uintptr_t ptr, int64_t nbytes, uint64_t seed);
 std::string xxh3_isa();
 // Path of the OpenMP runtime the CPU copy runs on; "" without OpenMP.

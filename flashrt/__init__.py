@@ -27,8 +27,10 @@ def load(path, device="cpu", dtype=None, max_seq_len: int = 4096, cuda_graphs: b
 
     sessions > 1 pre-allocates (and on CUDA pre-captures) that many sessions in total, so
     `fork()` never allocates or captures on the hot path; it raises when none is free.
-    linear_kernel: "auto" (oneDNN on CPUs where it runs the dtype, else aten), "onednn" or
-    "aten" (F.linear, transformers' kernel: bitwise-comparable with it; for debugging).
+    linear_kernel: "auto" (on CPU: "flashrt" for float32 where the extension's small-M kernel
+    runs, else "onednn" where oneDNN runs the dtype; else "aten"), "flashrt" (oneDNN, with
+    2-32-row steps on the small-M kernel), "onednn" or "aten" (F.linear, transformers'
+    kernel: bitwise-comparable with it; for debugging).
     """
     from .loader import load_model
     from .runtime import Options, Runtime, SessionPool

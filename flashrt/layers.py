@@ -14,14 +14,22 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from flashrt import native
 
-LINEAR_KERNELS = ("aten", "onednn")
+
+LINEAR_KERNELS = ("aten", "onednn", "flashrt")
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, kernel: str = "aten"):
     """x @ w.T (+ b). kernel "onednn": oneDNN's inner product on the unchanged (out, in) weight,
-    the op torch.compile's CPU backend emits; "aten": F.linear (MKL GEMM / GEMV)."""
-    if kernel == "onednn":
+    the op torch.compile's CPU backend emits; "flashrt": the same, except 2..SMALL_M_MAX rows
+    (a short step: a user turn, a speculative verify) go to the extension's small-M float32
+    kernel; "aten": F.linear (MKL GEMM / GEMV)."""
+    if kernel == "flashrt" and 2 <= x.shape[0] <= native.SMALL_M_MAX and x.dim() == 2 \
+            and x.is_contiguous() and x.dtype == torch.float32:
+        y = native.small_m_linear(x, w)
+        return y if b is None else y + b
+    if kernel != "aten":
         y = torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
         return y if b is None else y + b
     return F.linear(x, w, b)
@@ -41,16 +49,23 @@ def select_linear_kernel(net: nn.Module, device: torch.device, dtype: torch.dtyp
 
     auto: oneDNN on CPU when it runs this dtype here and agrees with F.linear on a probe
     (measured on a 2-core AVX2 EPYC, fp32: one-token steps 2-3x faster than MKL's GEMV for
-    (out, in) weights, 512-token prefill GEMMs 10-20% faster); aten elsewhere (CUDA, or bf16
-    on CPUs without native bf16, where oneDNN has no inner product)."""
+    (out, in) weights, 512-token prefill GEMMs 10-20% faster), with 2-32-row steps on the
+    extension's small-M kernel where it runs (float32, x86-64 AVX2 + FMA, torch's OpenMP:
+    1.3x oneDNN at 16 rows, 1.8x at 2); aten elsewhere (CUDA, or bf16 on CPUs without native
+    bf16, where oneDNN has no inner product)."""
     if want not in ("auto",) + LINEAR_KERNELS:
-        raise ValueError(f"linear kernel {want!r}: expected auto, aten or onednn")
+        raise ValueError(f"linear kernel {want!r}: expected auto, aten, onednn or flashrt")
     kernel = want
     if want != "aten":
         why = _onednn_unusable(device, dtype)
-        if why and want == "onednn":
-            raise ValueError(f"linear kernel 'onednn' unavailable: {why}")
+        if why and want != "auto":
+            raise ValueError(f"linear kernel {want!r} unavailable: {why}")
         kernel = "aten" if why else "onednn"
+    if want in ("auto", "flashrt") and kernel == "onednn":
+        why = _small_m_unusable(dtype)
+        if why and want == "flashrt":
+            raise ValueError(f"linear kernel 'flashrt' unavailable: {why}")
+        kernel = "onednn" if why else "flashrt"
     for m in net.modules():
         if isinstance(m, Linear):
             m.kernel = kernel
@@ -72,6 +87,18 @@ def _onednn_unusable(device: torch.device, dtype: torch.dtype) -> str | None:
     ref = F.linear(x.float(), w.float())
     if not torch.allclose(y.float(), ref, rtol=2e-2, atol=2e-2 * float(ref.abs().max())):
         return "oneDNN probe disagreed with F.linear"
+    return None
+
+
+def _small_m_unusable(dtype: torch.dtype) -> str | None:
+    if dtype != torch.float32:
+        return f"the small-M kernel is float32 only, not {dtype}"
+    if not native.SMALL_M_LINEAR:
+        return f"the extension's small-M kernel does not run here ({native.ext_status()})"
+    g = torch.Generator().manual_seed(1)
+    x, w = torch.randn(5, 67, generator=g), torch.randn(13, 67, generator=g)
+    if not torch.allclose(native.small_m_linear(x, w), F.linear(x, w), rtol=1e-4, atol=1e-4):
+        return "small-M kernel probe disagreed with F.linear"
     return None
 
 

@@ -38,7 +38,7 @@ import torch
 # then not used (the bench scripts attach an installed build only if it has them all).
 NEEDS = ("copy_segments_cpu", "xxh64", "xxh3_parts", "xxh3_isa", "zero_spans",
          "hash_blocks", "read_blocks_hashed", "load_known_table", "openmp_runtime", "CpuCopyPlan",
-         "has_cuda", "version")
+         "has_cuda", "version", "small_m_linear_isa")
 
 try:
     from . import _C
@@ -90,9 +90,14 @@ def _copies_on_torch_threads() -> bool:
 
 COPIES_ON_TORCH_THREADS: bool = _copies_on_torch_threads()
 
+# The small-M float32 projection kernel runs here: built (x86-64), the CPU has AVX2 + FMA, and
+# its threads are torch's (a second OpenMP pool would fight torch's spinning workers).
+SMALL_M_LINEAR: bool = HAVE_EXT and bool(_C.small_m_linear_isa()) and COPIES_ON_TORCH_THREADS
+SMALL_M_MAX = 32      # measured: 1.3-1.8x oneDNN at M = 2..32; oneDNN's blocked GEMM wins above
+
 __all__ = ["HAVE_EXT", "HAVE_CUDA_EXT", "ext_status", "SegmentPlan", "copy_segments", "xxh64",
            "xxh3", "xxh3_parts", "zero_spans", "hash_blocks", "read_blocks_hashed",
-           "load_known_table"]
+           "load_known_table", "small_m_linear"]
 
 Pair = Tuple[torch.Tensor, torch.Tensor]
 
@@ -106,8 +111,10 @@ def ext_status() -> str:
     threads = ("torch's OpenMP threads" if COPIES_ON_TORCH_THREADS else
                f"OpenMP at {_C.openmp_runtime()}, not torch's" if _C.openmp_runtime() else
                "own thread pool")
+    lin = (f"small-M linear ({_C.small_m_linear_isa()})" if SMALL_M_LINEAR else
+           "no small-M linear" + ("" if _C.small_m_linear_isa() else " (needs x86-64 AVX2 + FMA)"))
     return (f"flashrt._C {_C.version}: CPU segmented copy ({threads}), xxh64, xxh3 "
-            f"({_C.xxh3_isa()}), block checksums, {cuda}")
+            f"({_C.xxh3_isa()}), block checksums, {lin}, {cuda}")
 
 
 @functools.lru_cache(maxsize=None)
@@ -287,6 +294,27 @@ class SegmentPlan:
         elif self.mode == "torch":
             for src, dst in self.pairs:
                 dst.copy_(src, non_blocking=True)
+
+
+def small_m_linear(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x (M, K) @ w (N, K).T as float32 (M, N) with the extension's small-M kernel (see
+    csrc/linear_cpu.cpp; callers check SMALL_M_LINEAR). ValueError names a bad argument."""
+    if not (HAVE_EXT and _C.small_m_linear_isa()):
+        raise RuntimeError(f"small_m_linear unavailable: {ext_status()}")
+    for name, t in (("x", x), ("w", w)):
+        if t.dtype != torch.float32 or t.dim() != 2 or not t.is_contiguous() or t.device.type != "cpu":
+            raise ValueError(f"small_m_linear: {name} must be a contiguous 2-D float32 CPU tensor, got "
+                             f"{t.dtype}, shape {tuple(t.shape)}, {t.device}")
+    (m, k), (n, k2) = x.shape, w.shape
+    if k != k2 or m == 0 or n == 0 or k == 0:
+        raise ValueError(f"small_m_linear: x {tuple(x.shape)} and w {tuple(w.shape)} do not multiply")
+    if out is None:
+        out = torch.empty(m, n, dtype=torch.float32)
+    elif out.dtype != torch.float32 or tuple(out.shape) != (m, n) or not out.is_contiguous() \
+            or out.device.type != "cpu":
+        raise ValueError(f"small_m_linear: out must be a contiguous float32 CPU ({m}, {n}) tensor")
+    _C.small_m_linear(x.data_ptr(), w.data_ptr(), out.data_ptr(), m, n, k)
+    return out
 
 
 def copy_segments(pairs: Sequence[Pair], num_threads: int | None = None) -> None:

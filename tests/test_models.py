@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import flashrt
+from flashrt import native
 from conftest import ARCHS, hf_logits, hf_reference, margin_check
 
 PROMPT = 20
@@ -14,11 +15,12 @@ def _ids(n, vocab=512, seed=0):
     return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-@pytest.mark.parametrize("kernel", ["auto", "aten"])
+@pytest.mark.parametrize("kernel", ["auto", "onednn", "aten"])
 @pytest.mark.parametrize("arch", ARCHS)
 def test_parity_teacher_forced(arch, kernel, ckpt, runtime):
     """Prompt (one prefill) + 32 single-token decodes vs transformers on the same 52 tokens,
-    with the projections on the load-time choice (oneDNN on CPU) and on F.linear."""
+    with the projections on the load-time choice (on CPU fp32: the small-M kernel for the
+    20-token prompt, oneDNN for decodes), on oneDNN alone and on F.linear."""
     rt = runtime(arch, prefill_chunk=64, linear_kernel=kernel)
     ids = _ids(PROMPT + 32)
     ours = [rt.prefill(ids[:PROMPT], all_logits=True)]
@@ -211,10 +213,14 @@ def test_linear_kernel_selection(runtime):
     assert kernels == {"aten"} and rt.net.linear_kernel == "aten" == rt.model.linear_kernel
     assert rt.snapshot().meta.provenance["linear"] == "aten"
     auto = runtime("qwen3")
-    want = "onednn" if torch.backends.mkldnn.is_available() else "aten"
+    want = ("aten" if not torch.backends.mkldnn.is_available() else
+            "flashrt" if native.SMALL_M_LINEAR else "onednn")
     assert {m.kernel for m in auto.net.modules() if isinstance(m, Linear)} == {want}
     with pytest.raises(ValueError, match="linear kernel 'fast'"):
         runtime("qwen3", linear_kernel="fast")
+    if native.SMALL_M_LINEAR:               # float32 only (and no bf16 oneDNN here): refused
+        with pytest.raises(ValueError, match="'flashrt' unavailable"):
+            runtime("qwen3", linear_kernel="flashrt", dtype="bfloat16")
     # a capsule records the kernel as provenance only: it restores across kernels
     ids = _ids(20, seed=5)
     rt.prefill(ids)

@@ -62,6 +62,48 @@ def random_segments(rng, nbytes_total, nseg, max_len, device="cpu", align=1):
     return pairs, dst_buf, expected
 
 
+# --------------------------------------------------------------------------- small-M linear
+
+needs_small_m = pytest.mark.skipif(not (native.HAVE_EXT and native._C.small_m_linear_isa()),
+                                   reason="small-M linear needs the extension on x86-64 AVX2 + FMA")
+
+
+@needs_small_m
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 16, 31, 32, 33])
+@pytest.mark.parametrize("n, k", [(1, 1), (5, 7), (13, 64), (16, 9), (67, 1000), (130, 2051)])
+def test_small_m_linear_matches_a_double_reference(m, n, k):
+    """Every tile shape (3-row and 2/1-row remainders, 4..1-column blocks) and K tails under 8
+    against a float64 reference; 1 or 2 threads give the same bits (each output is one sum)."""
+    g = torch.Generator().manual_seed(m * 1000 + n + k)
+    x, w = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g)
+    ref = (x.double() @ w.double().T).float()
+    got = native.small_m_linear(x, w)
+    assert got.shape == (m, n)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5 * k ** 0.5)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = native.small_m_linear(x, w, out=torch.full((m, n), float("nan")))
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, got)
+
+
+@needs_small_m
+def test_small_m_linear_refuses_bad_arguments():
+    x, w = torch.randn(4, 8), torch.randn(6, 8)
+    for bad, msg in [((x.double(), w), "x must be"), ((x, w.t()), "w must be"),
+                     ((x, torch.randn(6, 9)), "do not multiply"), ((x[:, :0], w[:, :0]), "do not multiply")]:
+        with pytest.raises(ValueError, match=msg):
+            native.small_m_linear(*bad)
+    with pytest.raises(ValueError, match="out must be"):
+        native.small_m_linear(x, w, out=torch.empty(4, 5))
+    with pytest.raises(ValueError, match="positive"):
+        native._C.small_m_linear(x.data_ptr(), w.data_ptr(), x.data_ptr(), 0, 6, 8)
+    with pytest.raises(ValueError, match="null address"):
+        native._C.small_m_linear(0, w.data_ptr(), x.data_ptr(), 4, 6, 8)
+
+
 # --------------------------------------------------------------------------- CPU copies
 
 @pytest.mark.parametrize("num_threads", [1, 2])

@@ -43,7 +43,9 @@ def test_parity_both_layouts(layout, ckpt, runtime):
     """
     kw = {"layout": "text"} if layout == "text" else {}     # multimodal is the default layout
     path = ckpt(ARCH, **kw)
-    rt = runtime(ARCH, ckpt_kw=kw, prefill_chunk=64)
+    # F.linear, transformers' own matmul: the 2e-5 bound compares the recurrent rules alone
+    # (other projection kernels sum in other orders; test_models checks them at 1e-4)
+    rt = runtime(ARCH, ckpt_kw=kw, prefill_chunk=64, linear_kernel="aten")
     ids = _ids(PROMPT + DECODE)
     ours = torch.cat([rt.prefill(ids[:PROMPT], all_logits=True)] + [rt.decode(t)[None] for t in ids[PROMPT:]])
     model = hf_reference(path)
