@@ -26,7 +26,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, kern
     (a short step: a user turn, a speculative verify) go to the extension's small-M float32
     kernel; "aten": F.linear (MKL GEMM / GEMV)."""
     if kernel == "flashrt" and 2 <= x.shape[0] <= native.SMALL_M_MAX and x.dim() == 2 \
-            and x.is_contiguous() and x.dtype == torch.float32:
+            and x.dtype == torch.float32 and x.is_contiguous() and w.is_contiguous():
         y = native.small_m_linear(x, w)
         return y if b is None else y + b
     if kernel != "aten":

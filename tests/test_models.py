@@ -15,6 +15,26 @@ def _ids(n, vocab=512, seed=0):
     return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
+@pytest.mark.skipif(not native.SMALL_M_LINEAR, reason="small-M kernel does not run here")
+def test_flashrt_kernel_dispatch():
+    """2..32 contiguous float32 rows take the small-M kernel (bitwise what it gives alone);
+    one row, more rows and non-contiguous operands take oneDNN; all agree with F.linear."""
+    from flashrt.layers import linear
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(40, 24, generator=g)
+    for m in (1, 2, 16, 32, 33, 64):
+        x = torch.randn(m, 24, generator=g)
+        y = linear(x, w, kernel="flashrt")
+        torch.testing.assert_close(y, x @ w.T, rtol=1e-5, atol=1e-5)
+        small = native.small_m_linear(x, w)
+        assert torch.equal(y, small) == (2 <= m <= native.SMALL_M_MAX)
+    xt = torch.randn(24, 8, generator=g).t()                   # (8, 24), not contiguous
+    torch.testing.assert_close(linear(xt, w, kernel="flashrt"), xt @ w.T, rtol=1e-5, atol=1e-5)
+    wt = torch.randn(24, 40, generator=g).t()
+    torch.testing.assert_close(linear(xt.contiguous(), wt, kernel="flashrt"), xt @ wt.T,
+                               rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("kernel", ["auto", "onednn", "aten"])
 @pytest.mark.parametrize("arch", ARCHS)
 def test_parity_teacher_forced(arch, kernel, ckpt, runtime):
