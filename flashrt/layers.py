@@ -26,8 +26,10 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, kern
     (a short step: a user turn, a speculative verify) go to the extension's small-M float32
     kernel; "aten": F.linear (MKL GEMM / GEMV)."""
     if kernel == "flashrt" and 2 <= x.shape[0] <= native.SMALL_M_MAX and x.dim() == 2 \
-            and x.dtype == torch.float32 and x.is_contiguous() and w.is_contiguous():
-        y = native.small_m_linear(x, w)
+            and x.dtype == torch.float32 and w.is_contiguous():
+        # a strided x (e.g. Gated DeltaNet's output, (T, 2048) in the Qwen3.5 shape) is a few
+        # KiB to copy; oneDNN would stream the weights at half the speed
+        y = native.small_m_linear(x.contiguous(), w)
         return y if b is None else y + b
     if kernel != "aten":
         y = torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")

@@ -17,8 +17,9 @@ def _ids(n, vocab=512, seed=0):
 
 @pytest.mark.skipif(not native.SMALL_M_LINEAR, reason="small-M kernel does not run here")
 def test_flashrt_kernel_dispatch():
-    """2..32 contiguous float32 rows take the small-M kernel (bitwise what it gives alone);
-    one row, more rows and non-contiguous operands take oneDNN; all agree with F.linear."""
+    """2..32 float32 rows take the small-M kernel (bitwise what it gives alone; a strided x is
+    made contiguous); one row, more rows and a strided weight take oneDNN; all agree with
+    F.linear."""
     from flashrt.layers import linear
     g = torch.Generator().manual_seed(3)
     w = torch.randn(40, 24, generator=g)
@@ -29,7 +30,7 @@ def test_flashrt_kernel_dispatch():
         small = native.small_m_linear(x, w)
         assert torch.equal(y, small) == (2 <= m <= native.SMALL_M_MAX)
     xt = torch.randn(24, 8, generator=g).t()                   # (8, 24), not contiguous
-    torch.testing.assert_close(linear(xt, w, kernel="flashrt"), xt @ w.T, rtol=1e-5, atol=1e-5)
+    assert torch.equal(linear(xt, w, kernel="flashrt"), native.small_m_linear(xt.contiguous(), w))
     wt = torch.randn(24, 40, generator=g).t()
     torch.testing.assert_close(linear(xt.contiguous(), wt, kernel="flashrt"), xt @ wt.T,
                                rtol=1e-5, atol=1e-5)
