@@ -123,6 +123,25 @@ def test_delta_rules_match_transformers():
     assert (o2 - ref_o[0]).abs().max() <= 1e-4 and (s - ref_s[0]).abs().max() <= 1e-4
 
 
+@pytest.mark.parametrize("T", [1, 2, 5, 16, 63])
+def test_short_steps_are_one_chunk_of_their_own_length(T):
+    """A step shorter than the 64-token chunk runs as one unpadded chunk: same outputs and state
+    as transformers' padded chunk rule (and its recurrent rule) within fp32 rounding."""
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
+    gen = torch.Generator().manual_seed(T)
+    Hk, Hv, Dk, Dv = 2, 4, 16, 8
+    q, k = torch.randn(T, Hk, Dk, generator=gen), torch.randn(T, Hk, Dk, generator=gen)
+    v = torch.randn(T, Hv, Dv, generator=gen)
+    g, beta = -torch.rand(T, Hv, generator=gen), torch.rand(T, Hv, generator=gen)
+    s0 = torch.randn(Hv, Dk, Dv, generator=gen)
+    s = s0.clone()
+    o = chunk_gated_delta_rule(q, k, v, g, beta, s)
+    for ref in (hf.torch_chunk_gated_delta_rule, hf.torch_recurrent_gated_delta_rule):
+        ref_o, ref_s = ref(q[None], k[None], v[None], g[None], beta[None], initial_state=s0[None],
+                           output_final_state=True, use_qk_l2norm_in_kernel=True)
+        assert (o - ref_o[0]).abs().max() <= 1e-5 and (s - ref_s[0]).abs().max() <= 1e-5
+
+
 def test_causal_conv_state_and_chunks():
     from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
     gen = torch.Generator().manual_seed(1)
