@@ -34,8 +34,10 @@ void segcopy_cuda(const int64_t* src, const int64_t* dst, const int64_t* nbytes,
 // (0 = OpenMP's thread count); results do not depend on it.
 void small_m_linear(const float* x, const float* w, float* y, int64_t M, int64_t N, int64_t K,
                     int num_threads);
-// "avx2-fma" when this CPU runs small_m_linear, "" otherwise.
-const char* small_m_linear_isa();
+
+// Whether this process was forked after the module loaded (libgomp's threads are then gone:
+// parallel regions must not run; see segcopy_cpu.cpp).
+bool forked_after_load();
 
 // Standard XXH64 (the vendored reference, see xxhash.cpp).
 uint64_t xxh64(const void* data, std::size_t len, uint64_t seed);

@@ -57,9 +57,15 @@ void CpuCopyPlan::run(int num_threads) const {
 }
 
 #ifdef FLASHRT_SMALL_M_LINEAR
+// Checked here, in code built for the baseline ISA: linear_cpu.cpp is built for AVX2 + FMA.
+std::string small_m_linear_isa() {
+  static const bool ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return ok ? "avx2-fma" : "";
+}
+
 void small_m_linear(std::uintptr_t x, std::uintptr_t w, std::uintptr_t y, int64_t m, int64_t n,
                     int64_t k, int num_threads) {
-  if (*flashrt::small_m_linear_isa() == '\0')
+  if (small_m_linear_isa().empty())
     throw std::runtime_error("small_m_linear needs AVX2 and FMA, which this CPU lacks");
   if (m <= 0 || n <= 0 || k <= 0)
     throw std::invalid_argument("small_m_linear: m, n, k must be positive, got " + std::to_string(m) +
@@ -70,8 +76,6 @@ void small_m_linear(std::uintptr_t x, std::uintptr_t w, std::uintptr_t y, int64_
   flashrt::small_m_linear(reinterpret_cast<const float*>(x), reinterpret_cast<const float*>(w),
                           reinterpret_cast<float*>(y), m, n, k, num_threads);
 }
-
-std::string small_m_linear_isa() { return flashrt::small_m_linear_isa(); }
 #else
 std::string small_m_linear_isa() { return ""; }
 #endif

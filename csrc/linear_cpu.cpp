@@ -8,7 +8,8 @@
 // rows of x from L1: a 3 x 4 tile of dot products keeps 12 accumulators,
 // 3 x vectors and 1 weight vector in the 16 AVX2 registers.
 //
-// Built with -mavx2 -mfma on x86-64 only; callers check small_m_linear_isa().
+// Built with -mavx2 -mfma on x86-64 only, so this file holds no code that runs before the
+// launcher has checked the CPU (no static initializers, no CPU test of its own).
 // Threads split the output columns (one OpenMP region on torch's threads,
 // like segcopy_cpu.cpp). Each output is one sum in a fixed order over k, so
 // results do not depend on the thread count.
@@ -17,21 +18,13 @@
 #include <immintrin.h>
 
 #include <algorithm>
-#include <atomic>
 
 #ifdef FLASHRT_OPENMP
 #include <omp.h>
-#include <pthread.h>
 #endif
 
 namespace flashrt {
 namespace {
-
-#ifdef FLASHRT_OPENMP
-// libgomp's pool does not survive fork(): a forked child runs serially (see segcopy_cpu.cpp).
-std::atomic<bool> forked{false};
-const int fork_hook = pthread_atfork(nullptr, nullptr, [] { forked.store(true); });
-#endif
 
 inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -87,17 +80,12 @@ void block(const float* x, const float* w, float* y, int64_t M, int64_t N, int64
 
 }  // namespace
 
-const char* small_m_linear_isa() {
-  static const bool ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  return ok ? "avx2-fma" : "";
-}
-
 void small_m_linear(const float* x, const float* w, float* y, int64_t M, int64_t N, int64_t K,
                     int num_threads) {
   const int64_t blocks = (N + 3) / 4;
 #ifdef FLASHRT_OPENMP
   if (num_threads <= 0) num_threads = omp_get_max_threads();   // torch.set_num_threads sets it
-  if (num_threads > 1 && !forked.load(std::memory_order_relaxed)) {
+  if (num_threads > 1 && !forked_after_load()) {   // a forked child runs serially
 #pragma omp parallel for num_threads(num_threads) schedule(static)
     for (int64_t b = 0; b < blocks; ++b) block(x, w, y, M, N, K, b);
     return;

@@ -91,6 +91,14 @@ void segcopy_cpu(const int64_t* src, const int64_t* dst, const int64_t* nbytes,
   });
 }
 
+bool forked_after_load() {
+#ifdef FLASHRT_OPENMP
+  return forked.load(std::memory_order_relaxed);
+#else
+  return false;
+#endif
+}
+
 const char* openmp_runtime() {
 #ifdef FLASHRT_OPENMP
   Dl_info info;

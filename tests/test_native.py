@@ -163,11 +163,15 @@ def test_parallel_copies_from_many_threads():
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork()")
 def test_parallel_copy_after_fork():
     """A forked child has none of the parent's pool threads (WorkPool's or OpenMP's); its
-    parallel copies still run. (The child touches tensors through numpy only: torch's own
+    parallel copies and small-M projections still run. (The child touches tensors through numpy only: torch's own
     OpenMP pool may hang after fork.)"""
     src = torch.from_numpy(np.random.default_rng(0).integers(0, 256, 3 << 20, np.uint8))
     dst = torch.zeros_like(src)
     native.copy_segments([(src, dst)], num_threads=2)      # the parent's pool exists now
+    small_m = native.HAVE_EXT and bool(native._C.small_m_linear_isa())
+    if small_m:                                            # and so does the linear's region
+        x, w = torch.randn(16, 256), torch.randn(300, 256)
+        want, y = native.small_m_linear(x, w), torch.zeros(16, 300)
     pid = os.fork()
     if pid == 0:                                           # child: exit code says it all
         ok = False
@@ -175,6 +179,9 @@ def test_parallel_copy_after_fork():
             dst.numpy()[:] = 0
             native.copy_segments([(src, dst)], num_threads=2)
             ok = bool((src.numpy() == dst.numpy()).all())
+            if small_m:
+                native._C.small_m_linear(x.data_ptr(), w.data_ptr(), y.data_ptr(), 16, 300, 256, 2)
+                ok = ok and bool((y.numpy() == want.numpy()).all())
         finally:
             os._exit(0 if ok else 1)
     deadline = time.monotonic() + 60       # a hung child (a pool waiting for threads the fork
@@ -185,7 +192,7 @@ def test_parallel_copy_after_fork():
         if time.monotonic() > deadline:
             os.kill(pid, signal.SIGKILL)
             os.waitpid(pid, 0)
-            pytest.fail("parallel copy in a forked child hung")
+            pytest.fail("parallel copy or projection in a forked child hung")
         time.sleep(0.01)
     assert os.waitstatus_to_exitcode(status) == 0
 
