@@ -199,6 +199,10 @@ class _Table:
     gap_nbytes: np.ndarray
 
 
+class _Overlap(ValueError):
+    """Entry offsets overlap (raised by the memoized parse, which knows no path)."""
+
+
 def _table(path, text: str, known: "_Table | None") -> _Table:
     if known is not None and known.text == text:
         return known          # same table as the last file loaded into this capsule
@@ -206,10 +210,6 @@ def _table(path, text: str, known: "_Table | None") -> _Table:
         return _parse_table(text)
     except _Overlap:
         raise CapsuleCorruptError(f"{path}: entry offsets overlap") from None
-
-
-class _Overlap(ValueError):
-    pass
 
 
 # A pure function of the entries text, memoized: a process loading capsules of one model sees
