@@ -8,7 +8,7 @@ Tiers:
   host    CUDA only: device arena -> host capsule (snapshot + Capsule.to("cpu")) and back;
           plain copy = one copy_ into / out of preallocated pinned host memory. On a CPU device the
           arena already lives in host memory, so this tier is the device tier.
-  disk    Capsule.save (write + fsync, atomic rename) and Capsule.load(into=) (read with a warm
+  disk    Capsule.save (write + fsync, atomic rename) and flashrt.load_capsule(into=) (read with a warm
           page cache, checksum verified, into a capsule allocated once; fresh load() shown too);
           plain = write + fsync of the same bytes (and the atomic-replace floor), and a read of
           them into a preallocated buffer.
@@ -20,6 +20,8 @@ filled with random bytes and the session position is set directly. This is said 
     python bench/capsules.py --quick          # small shapes, 1 and 4 MiB, 2 repeats
 """
 from __future__ import annotations
+
+import flashrt
 
 import dataclasses
 import os
@@ -75,10 +77,7 @@ def synthesize(rt, position: int) -> None:
     a.data.random_(0, 256)
     g = torch.Generator().manual_seed(position)
     a["meta.tokens"].copy_(torch.randint(0, rt.net.vocab_size, a["meta.tokens"].shape, generator=g))
-    a["meta.position"].fill_(position)
-    rt._pos = position
-    rt._checkpoints.clear()
-    rt._base = None
+    rt.session.adopt(position)
 
 
 def same_bytes(rt, cap) -> bool:
@@ -122,7 +121,6 @@ def plain_read(buf, path) -> None:
 
 def bench_arch(arch, a, tmp, tables, quick_note):
     import torch
-    from flashrt.capsules.capsule import Capsule
     path = C.checkpoint(arch, a.size)
     lab = C.label(arch, a.size)
     # a session of length 1 reads the layout sizes; the measured one shares its weights. No
@@ -229,13 +227,13 @@ def bench_arch(arch, a, tmp, tables, quick_note):
             holder = {}
 
             def save():
-                pre.save(cap_file)
+                flashrt.save_capsule(pre, cap_file)
 
             def load_into():
-                holder["cap"] = Capsule.load(cap_file, into=load_target)
+                holder["cap"] = flashrt.load_capsule(cap_file, into=load_target)
 
             def load_fresh():
-                holder["fresh"] = Capsule.load(cap_file)
+                holder["fresh"] = flashrt.load_capsule(cap_file)
             save()
             plain_write(cb, plain_file)
             cases = {"plain_write": C.Case(lambda: plain_write(cb, plain_file)),

@@ -26,6 +26,7 @@ and an always-wrong one (a = 0) check the model against wall clock.
 """
 from __future__ import annotations
 
+
 import sys
 import time
 from pathlib import Path
@@ -86,8 +87,6 @@ def bench_size(size, a, tables):
     import torch
 
     import flashrt.speculative as S
-    from flashrt.arena import CAPSULE_KINDS
-    from flashrt.capsules.capsule import CapsuleMeta, restore_arena, snapshot_arena
     from flashrt.linear_attn import chunk_gated_delta_rule, recurrent_gated_delta_rule
 
     path = C.checkpoint("qwen3_5", size)
@@ -102,25 +101,25 @@ def bench_size(size, a, tables):
     rt.generate(prompt, max_new_tokens=1, speculative="mtp")   # MTP rows of the prompt filled
     P = rt.position
     base = rt.snapshot()
-    steps = S.EagerSteps(rt) if rt.graphs is None else S._steps(rt, kmax)
+    steps = S.EagerSteps(rt) if rt.graphs is None else rt.speculation().steps_for(kmax)
     toks = C.random_ids(kmax + 1, vocab, seed=2)
     hid = ar["mtp.hidden"][None].clone()
     hidk = hid.expand(kmax + 1, -1).contiguous()
-    cap = snapshot_arena(ar, P, CapsuleMeta(P, rt.fingerprint, {}), fixed_only=True)
+    cap = rt.session.mark()
     T = lambda ids: torch.tensor(ids, device=dev)  # noqa: E731
     reset = lambda: rt.restore(base)               # noqa: E731
 
     def draft(k):
-        logits, g = steps.mtp(T(toks[:1]), hid, P - 1)
+        logits, g = steps.draft(T(toks[:1]), hid, P - 1)
         for j in range(1, k):
-            logits, g = steps.mtp(T([int(logits[-1].argmax())]), g[-1:], P - 1 + j)
+            logits, g = steps.draft(T([int(logits[-1].argmax())]), g[-1:], P - 1 + j)
         return int(logits[-1].argmax())
 
     cases = {"decode": C.Case(lambda: rt.decode(toks[0]), setup=reset),
-             "snapshot": C.Case(lambda: snapshot_arena(ar, P, cap.meta, into=cap, fixed_only=True)),
-             "restore": C.Case(lambda: restore_arena(ar, cap, CAPSULE_KINDS))}
+             "snapshot": C.Case(lambda: rt.session.mark(into=cap)),
+             "restore": C.Case(lambda: rt.session.rewind(cap))}
     for n in range(1, kmax + 2):
-        cases[f"mtp {n}"] = C.Case(lambda n=n: steps.mtp(T(toks[:n]), hidk[:n], P - 1), setup=reset)
+        cases[f"mtp {n}"] = C.Case(lambda n=n: steps.draft(T(toks[:n]), hidk[:n], P - 1), setup=reset)
         cases[f"main {n}"] = C.Case(lambda n=n: steps.main(T(toks[:n]), all_logits=False), setup=reset)
     for k in a.ks:
         cases[f"draft {k}"] = C.Case(lambda k=k: draft(k), setup=reset)
@@ -207,7 +206,7 @@ def bench_size(size, a, tables):
             t0 = time.perf_counter()
             out += r.generate(max_new_tokens=a.gen, **kw)
             s = time.perf_counter() - t0
-            stats = dict(r._spec_stats)
+            stats = dict(r.speculation().stats)
             rate = stats["accepted"] / max(1, stats["drafted"])
             e2e[f"{name} k={k}"] = {"tok_s": a.gen / s, "acceptance": rate, "stats": stats,
                                     "same_as_plain": out == ref}

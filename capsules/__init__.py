@@ -1,9 +1,12 @@
-"""Execution-state capsules (capsule.py, format.py) and the tiered capsule store (store.py)."""
+"""Execution-state capsules: types, copy (arena <-> capsule), format (files), index (prefix
+trie) and store (tiers, budgets, LRU)."""
 from flashrt.errors import (CapsuleConsumedError, CapsuleCorruptError, CapsuleError,  # noqa: F401
                             CapsuleMismatchError)
 
-from .capsule import Capsule  # noqa: F401
+from .format import load as load_capsule, read_header, save as save_capsule  # noqa: F401
 from .store import CapsuleStore  # noqa: F401
+from .types import Capsule, CapsuleMeta, Entry  # noqa: F401
 
-__all__ = ["Capsule", "CapsuleStore", "CapsuleError", "CapsuleMismatchError",
-           "CapsuleCorruptError", "CapsuleConsumedError"]
+__all__ = ["Capsule", "CapsuleMeta", "Entry", "CapsuleStore", "save_capsule", "load_capsule",
+           "read_header", "CapsuleError", "CapsuleMismatchError", "CapsuleCorruptError",
+           "CapsuleConsumedError"]

@@ -1,4 +1,4 @@
-"""On-disk capsule format, version 2: one safetensors file any safetensors reader can open.
+"""On-disk capsule format, version 3: one safetensors file any safetensors reader can open.
 
     [u64 LE header length][JSON header, space-padded to a multiple of 8][entry bytes, in entry order]
 
@@ -37,13 +37,14 @@ from flashrt.errors import CapsuleCorruptError, CapsuleMismatchError
 from flashrt.native import (hash_blocks, load_known_table, read_blocks_hashed, xxh3_parts,
                             zero_spans)
 
-from .capsule import Capsule, CapsuleMeta, Entry
+from .types import ALIGN, Capsule, CapsuleMeta, Entry
 
-MAGIC, VERSION = "flashrt.capsule", "2"
+# version 3: the weights fingerprint is one sha256-based digest whatever the build (version 2
+# files carry a build-dependent one, so they are refused by version, not by a confusing mismatch)
+MAGIC, VERSION = "flashrt.capsule", "3"
 _BLOCK = 1 << 18                            # checksum block: fits L2, 4 blocks per MiB to share out
 HASH = f"xxh3/{_BLOCK}"
 _MAX_HEADER = 100_000_000   # safetensors' own limit; anything larger is a corrupt length field
-_ALIGN = 64                 # capsule buffer size granularity (matches capsule.plan_entries)
 _SLACK = 4096               # most padding one entry may leave before it (arena ALIGN is 256)
 _ST_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16", "int64": "I64",
               "int32": "I32", "uint8": "U8", "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2"}
@@ -100,10 +101,6 @@ def _value_at(header, checksum: str) -> int:
     return -1 if i < 0 else i + len('"checksum":"')
 
 
-def _tokens(cap: Capsule) -> list:
-    return cap.tokens if any(e.name == "meta.tokens" for e in cap.entries) else []
-
-
 def _spans(entries):
     """(capsule offsets, byte counts) of the entries in file order, as int64 arrays."""
     return (np.fromiter((e.offset for e in entries), np.int64, len(entries)),
@@ -130,7 +127,12 @@ def _write_all(fd: int, views: list) -> None:
             views = [views[0][n:]] + views[1:]
 
 
-def save_capsule(cap: Capsule, path) -> None:
+def file_size(cap: Capsule) -> int:
+    """Exact size of cap's file: the header with a 16-hex-digit checksum, then entry bytes."""
+    return len(_header(cap.entries, cap.meta, cap.tokens, _PLACEHOLDER)) + cap.nbytes
+
+
+def save(cap: Capsule, path) -> None:
     """Write `cap` to `path` atomically: a crash leaves the old file or the new one, never a mix."""
     path = os.path.abspath(os.fspath(path))
     if cap.device.type != "cpu":
@@ -138,11 +140,11 @@ def save_capsule(cap: Capsule, path) -> None:
     for e in cap.entries:
         if e.name == "__metadata__" or e.offset < 0 or e.offset + e.nbytes > cap.data.numel():
             raise ValueError(f"save_capsule: entry {e.name!r} is reserved or outside the capsule data")
-    cached = cap._header_parts
+    cached = cap.file_cache.get("header")
     if cached is None or cached[0] is not cap.entries:
-        cached = cap._header_parts = (cap.entries, _entry_parts(cap.entries), _spans(cap.entries))
+        cached = cap.file_cache["header"] = (cap.entries, _entry_parts(cap.entries), _spans(cap.entries))
     parts, (offsets, nbytes) = cached[1], cached[2]
-    header = _header(cap.entries, cap.meta, _tokens(cap), _PLACEHOLDER, parts)
+    header = _header(cap.entries, cap.meta, cap.tokens, _PLACEHOLDER, parts)
     at = _value_at(header, _PLACEHOLDER)
     checksum = _checksum(header, at, hash_blocks(cap.data, offsets, nbytes, _BLOCK))
     header = header[:at] + checksum.encode() + header[at + 16:]
@@ -224,7 +226,7 @@ def _parse_table(text: str) -> _Table:
     # another's (the buffer is bounded against the file size by the caller).
     if any(a0 + n0 > a1 for (a0, n0), (a1, _) in zip(spans, spans[1:])):
         raise _Overlap("entry offsets overlap")
-    cap_size = -(-max((a + n for a, n in spans), default=0) // _ALIGN) * _ALIGN
+    cap_size = -(-max((a + n for a, n in spans), default=0) // ALIGN) * ALIGN
     gaps, prev = [], 0
     for a, n in spans + [(cap_size, 0)]:
         if a > prev:
@@ -284,7 +286,7 @@ def _parse(path, head: bytes, data_bytes: int, known: _Table | None = None):
     return table, _meta(md), md["tokens"], md["checksum"]
 
 
-def load_capsule(path, device="cpu", into: Capsule | None = None) -> Capsule:
+def load(path, device="cpu", into: Capsule | None = None) -> Capsule:
     """Read a capsule file; any damage raises CapsuleCorruptError naming the file and the problem.
 
     into: a CPU capsule whose buffer is reused (no fresh allocation, like snapshot(into=)); it is
@@ -306,8 +308,9 @@ def load_capsule(path, device="cpu", into: Capsule | None = None) -> Capsule:
 
 
 def _load(fd: int, path, into: Capsule | None = None) -> Capsule:
-    if into is not None and into._file_table is not None:
-        cap = _load_known(fd, path, into, into._file_table)
+    known = into.file_cache.get("table") if into is not None else None
+    if known is not None:
+        cap = _load_known(fd, path, into, known)
         if cap is not None:
             return cap
     size = os.fstat(fd).st_size
@@ -324,8 +327,7 @@ def _load(fd: int, path, into: Capsule | None = None) -> Capsule:
         if not more:
             raise CapsuleCorruptError(f"{path}: truncated while reading the header")
         head += more
-    table, meta, _, stored = _parse(path, head, size - 8 - n,
-                                    into._file_table if into is not None else None)
+    table, meta, _, stored = _parse(path, head, size - 8 - n, known)
     header = first[:8 + n] if len(first) >= 8 + n else first[:8] + head
     at = _value_at(header, stored) if type(stored) is str and len(stored) == 16 else -1
     if at < 0:
@@ -338,7 +340,7 @@ def _load(fd: int, path, into: Capsule | None = None) -> Capsule:
             raise CapsuleMismatchError(f"load(into=): capsule buffer holds {into.data.numel()} B, "
                                        f"{path} needs {table.cap_size} B")
         # emptied before any byte lands: a refused load leaves no restorable half-capsule
-        into.entries, into.meta = (), CapsuleMeta(0, {}, {})
+        into.emptied()
         data = into.data
     else:
         data = torch.empty(table.cap_size, dtype=torch.uint8)
@@ -357,9 +359,8 @@ def _filled(into: Capsule | None, data, table: _Table, meta: CapsuleMeta) -> Cap
         cap = Capsule(data, table.entries, meta)
     else:
         cap = into
-        cap.entries, cap.meta = table.entries, meta
-        cap._consumed, cap.parent_capsule = False, None
-    cap._file_table = table
+        cap.refill(table.entries, meta)
+    cap.file_cache["table"] = table
     return cap
 
 
@@ -368,14 +369,14 @@ def _load_known(fd: int, path, into: Capsule, table: _Table) -> Capsule | None:
     native call: at 1-4 MiB the per-file Python work cost as much as reading the bytes. None:
     the file is for the general reader (no extension, a header not as save writes it, another
     table or format); `into` is then as before."""
-    span = into._host_span
+    span = into.file_cache.get("span")
     if span is None:      # the buffer never moves: checked and kept once
         d = into.data
         if d.dtype != torch.uint8 or d.dim() != 1 or not d.is_contiguous():
             raise ValueError("load(into=): the capsule buffer is not a contiguous 1-D uint8 tensor")
-        span = into._host_span = (d.data_ptr(), d.numel())
+        span = into.file_cache["span"] = (d.data_ptr(), d.numel())
     saved = into.entries, into.meta
-    into.entries, into.meta = (), CapsuleMeta(0, {}, {})   # emptied before any byte lands
+    into.emptied()                         # before any byte lands
     res = load_known_table(fd, _META_KEYS, (*_FIXED, ("entries", table.text)), *span,
                            table.offsets, table.nbytes, table.gap_offsets, table.gap_nbytes, _BLOCK)
     if res is None or res[0] == "not_fast":
@@ -387,3 +388,27 @@ def _load_known(fd: int, path, into: Capsule, table: _Table) -> Capsule | None:
     if status == "mismatch":
         raise CapsuleCorruptError(f"{path}: checksum mismatch (stored {md['checksum']})")
     return _filled(into, into.data, table, _meta(md))
+
+
+def read_header(path):
+    """(entries, meta, tokens, file size) of a capsule file, checking its header only."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        pre = f.read(8)
+        if len(pre) < 8:
+            raise CapsuleCorruptError(f"{path}: truncated while reading the header length")
+        (n,) = struct.unpack("<Q", pre)
+        if n > min(_MAX_HEADER, size - 8):
+            raise CapsuleCorruptError(f"{path}: header length {n} exceeds the file ({size} B)")
+        head = f.read(n)
+    if len(head) < n:
+        raise CapsuleCorruptError(f"{path}: truncated while reading the header")
+    try:
+        table, meta, tokens, stored = _parse(path, head, size - 8 - n)
+        entries, tokens = list(table.entries), json.loads(tokens)
+        canonical = _header(entries, meta, tokens, stored) == pre + head
+    except (struct.error, ValueError, KeyError, TypeError, IndexError, RecursionError) as e:
+        raise CapsuleCorruptError(f"{path}: malformed capsule header ({type(e).__name__}: {e})") from e
+    if not canonical:
+        raise CapsuleCorruptError(f"{path}: header is not in canonical form (damaged)")
+    return entries, meta, tokens, size

@@ -65,9 +65,9 @@ Single-use capsules
     the claimed file and deletes it, every other caller gets CapsuleConsumedError. Without a
     disk tier the claim is the removal from the index under the store's lock. get() and
     match() never hand out single-use capsules; take(key) claims and returns one, and
-    restore_into(rt, key) validates it against the runtime (same checks as Runtime.restore)
-    BEFORE claiming, under the runtime's lock, so a refused restore consumes nothing and a
-    caller that loses the claim has its live state untouched.
+    restore_into(session, key) has the session validate it first and claim it (the
+    restore's on_validated hook) before any byte is written, so a refused restore consumes
+    nothing and a caller that loses the claim has its live state untouched.
 
 Several processes may open one disk_dir; each keeps its own index (built when it opens) and
 its own accounting, so budgets and LRU order are per process. What one process removes,
@@ -75,11 +75,9 @@ another sees as a missing file: get() then forgets the key and raises KeyError.
 """
 from __future__ import annotations
 
-import json
 import os
 import re
 import secrets
-import struct
 import threading
 import warnings
 from collections import OrderedDict
@@ -89,7 +87,8 @@ import torch
 from flashrt.errors import CapsuleConsumedError, CapsuleCorruptError, CapsuleError, CapsuleMismatchError
 
 from . import format as _fmt
-from .capsule import Capsule, check_fits
+from .index import PrefixIndex
+from .types import FINGERPRINT_KEYS, Capsule, round_up
 
 DEVICE, HOST, DISK = 0, 1, 2
 TIERS = ("device", "host", "disk")
@@ -97,8 +96,6 @@ SUFFIX = ".capsule"
 _KEY = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9._-]{0,199}$")
 _TMP = re.compile(r"^\..+\.tmp-(\d+)-[0-9a-f]+$")
 _CLAIMED = re.compile(r"^.+\.claimed-(\d+)-[0-9a-f]+$")
-_FP_KEYS = ("model_type", "config", "weights", "dtype", "layout")
-_ALIGN = 64
 _MAX_TOMBSTONES = 4096
 
 
@@ -115,56 +112,17 @@ def _pid_alive(pid: int) -> bool:
 
 
 def _loaded_size(entries) -> int:
-    """Buffer bytes load_capsule allocates for these entries."""
-    end = max((e.offset + e.nbytes for e in entries), default=0)
-    return -(-end // _ALIGN) * _ALIGN
-
-
-def _file_size(cap: Capsule) -> int:
-    """Exact size of cap's file: the header with a 16-hex-digit checksum, then entry bytes."""
-    head = _fmt._header(cap.entries, cap.meta, _fmt._tokens(cap), "0" * 16)
-    return len(head) + sum(e.nbytes for e in cap.entries)
-
-
-def read_header(path):
-    """(entries, meta, tokens, file size) of a capsule file, checking its header only."""
-    size = os.path.getsize(path)
-    with open(path, "rb") as f:
-        pre = f.read(8)
-        if len(pre) < 8:
-            raise CapsuleCorruptError(f"{path}: truncated while reading the header length")
-        (n,) = struct.unpack("<Q", pre)
-        if n > min(_fmt._MAX_HEADER, size - 8):
-            raise CapsuleCorruptError(f"{path}: header length {n} exceeds the file ({size} B)")
-        head = f.read(n)
-    if len(head) < n:
-        raise CapsuleCorruptError(f"{path}: truncated while reading the header")
-    try:
-        table, meta, tokens, stored = _fmt._parse(path, head, size - 8 - n)
-        entries, tokens = list(table.entries), json.loads(tokens)
-        canonical = _fmt._header(entries, meta, tokens, stored) == pre + head
-    except (struct.error, ValueError, KeyError, TypeError, IndexError, RecursionError) as e:
-        raise CapsuleCorruptError(f"{path}: malformed capsule header ({type(e).__name__}: {e})") from e
-    if not canonical:
-        raise CapsuleCorruptError(f"{path}: header is not in canonical form (damaged)")
-    return entries, meta, tokens, size
-
-
-class _Node:
-    """Radix-trie node: `edge` is the token run from the parent; `keys` end exactly here."""
-    __slots__ = ("edge", "kids", "keys", "up")
-
-    def __init__(self, edge=(), up=None):
-        self.edge, self.kids, self.keys, self.up = tuple(edge), {}, set(), up
+    """Buffer bytes load() allocates for these entries."""
+    return round_up(max((e.offset + e.nbytes for e in entries), default=0))
 
 
 class _Rec:
     __slots__ = ("key", "id", "tier", "cap", "msize", "fsize", "pinned", "position", "parent",
-                 "children", "single_use", "fingerprint", "node", "entries")
+                 "children", "single_use", "fingerprint", "entries")
 
     def __init__(self, key, cid, meta, entries, pinned):
         self.key, self.id, self.pinned = key, cid, pinned
-        self.tier, self.cap, self.node = None, None, None
+        self.tier, self.cap = None, None
         self.position, self.single_use = meta.position, bool(meta.single_use)
         self.fingerprint = meta.fingerprint
         self.parent = (meta.parent or {}).get("id") if any(e.row0 for e in entries) else None
@@ -197,7 +155,7 @@ class CapsuleStore:
         self._recs: dict[str, _Rec] = {}
         self._by_id: dict[str, str] = {}
         self._lru: OrderedDict = OrderedDict()        # key -> None, oldest first
-        self._root = _Node()
+        self._index = PrefixIndex()
         self._consumed: OrderedDict = OrderedDict()    # tombstones of claimed single-use keys
         self._lock = threading.RLock()
         if self.disk_dir:
@@ -220,7 +178,7 @@ class CapsuleStore:
                 raise ValueError(f"capsule {cap.id} is already stored under key {self._by_id[cap.id]!r}")
             rec = _Rec(key, cap.id, cap.meta, cap.entries, pin)
             rec.msize = cap.data.numel()
-            rec.fsize = _file_size(cap) if self.disk_dir else 0
+            rec.fsize = _fmt.file_size(cap) if self.disk_dir else 0
             self._refuse_if_too_big(rec, key)
             parent = self._parent_for_put(cap, rec) if rec.parent is not None else None
             private = Capsule(cap.data, cap.entries, cap.meta)
@@ -244,8 +202,7 @@ class CapsuleStore:
                 self._by_id[rec.id] = key
             self._lru[key] = None
             self._consumed.pop(key, None)
-            tokens = cap.tokens if any(e.name == "meta.tokens" for e in cap.entries) else []
-            self._index_tokens(rec, tokens)
+            self._index_tokens(rec, cap.tokens)
             return key
 
     def get(self, key: str) -> Capsule:
@@ -276,15 +233,12 @@ class CapsuleStore:
         self._claim(key, token)
         return cap
 
-    def restore_into(self, rt, key: str) -> Capsule:
-        """rt.restore(the capsule under key), validating before any claim; returns the capsule."""
-        with rt._lock:
-            cap, token = self._peek(key)
-            check_fits(cap, rt.arena, rt.fingerprint, rt.max_seq_len)   # refusal consumes nothing
-            if token is not None:
-                self._claim(key, token)
-            rt.restore(cap)
-            return cap
+    def restore_into(self, session, key: str) -> Capsule:
+        """session.restore(the capsule under key); a single-use one is claimed only after the
+        session has validated it, so a refused restore consumes nothing. Returns the capsule."""
+        cap, token = self._peek(key)
+        session.restore(cap, on_validated=None if token is None else lambda: self._claim(key, token))
+        return cap
 
     def match(self, tokens, fingerprint: dict | None = None):
         """(capsule, n): the longest stored capsule whose token history is tokens[:n], or
@@ -293,17 +247,10 @@ class CapsuleStore:
             tokens = tokens.reshape(-1).tolist()
         tokens = [int(t) for t in tokens]
         with self._lock:
-            cands, node, i = [], self._root, 0
-            while i < len(tokens):
-                nxt = node.kids.get(tokens[i])
-                if nxt is None or tuple(tokens[i: i + len(nxt.edge)]) != nxt.edge:
-                    break
-                node, i = nxt, i + len(nxt.edge)
-                if node.keys:
-                    cands.append((i, node))
-            for n, node in reversed(cands):
-                order = {k: j for j, k in enumerate(reversed(self._lru)) if k in node.keys}
-                for k in sorted(node.keys, key=lambda k: order.get(k, 1 << 60)):
+            cands = self._index.prefixes(tokens)
+            for n, keys in reversed(cands):
+                order = {k: j for j, k in enumerate(reversed(self._lru)) if k in keys}
+                for k in sorted(keys, key=lambda k: order.get(k, 1 << 60)):
                     rec = self._recs.get(k)
                     if rec is None or rec.single_use or not self._fp_ok(rec, fingerprint):
                         continue
@@ -368,7 +315,7 @@ class CapsuleStore:
 
     @staticmethod
     def _fp_ok(rec, fp) -> bool:
-        return fp is None or all(rec.fingerprint.get(k) == fp.get(k) for k in _FP_KEYS)
+        return fp is None or all(rec.fingerprint.get(k) == fp.get(k) for k in FINGERPRINT_KEYS)
 
     def _parent_for_put(self, cap, rec) -> _Rec:
         ref = cap.meta.parent or {}
@@ -483,7 +430,7 @@ class CapsuleStore:
         self._used[t] += rec.size()
 
     def _write(self, rec, cap):
-        cap.save(self._path(rec.key))
+        _fmt.save(cap, self._path(rec.key))
         rec.cap, rec.msize = None, _loaded_size(rec.entries)
 
     def _move(self, rec, t):
@@ -505,7 +452,7 @@ class CapsuleStore:
         """Load a disk record's file; a missing or corrupt file forgets it (and its children)."""
         path = self._path(rec.key)
         try:
-            return Capsule.load(path, device)
+            return _fmt.load(path, device)
         except FileNotFoundError:
             self._forget(rec)
             raise KeyError(f"{rec.key} (its file vanished: claimed or removed by another process)")
@@ -592,7 +539,7 @@ class CapsuleStore:
                 return self._get(rec), ("mem", rec)
             parent = self._get(self._recs[self._by_id[rec.parent]]) if rec.parent else None
         try:
-            cap = Capsule.load(self._path(key), self.device)
+            cap = _fmt.load(self._path(key), self.device)
         except FileNotFoundError:
             self._tombstone(key, rec)
             raise CapsuleConsumedError(f"single-use capsule {key!r} was already claimed") from None
@@ -631,46 +578,11 @@ class CapsuleStore:
 
     # ---- internals: token index -----------------------------------------------------------
     def _index_tokens(self, rec, tokens):
-        if rec.position <= 0 or len(tokens) != rec.position:
-            return
-        node, i = self._root, 0
-        while i < len(tokens):
-            nxt = node.kids.get(tokens[i])
-            if nxt is None:
-                leaf = _Node(tokens[i:], node)
-                node.kids[tokens[i]] = leaf
-                node, i = leaf, len(tokens)
-                break
-            e, j = nxt.edge, 0
-            while j < len(e) and i + j < len(tokens) and e[j] == tokens[i + j]:
-                j += 1
-            if j < len(e):                # split nxt's edge at j
-                mid = _Node(e[:j], node)
-                node.kids[e[0]] = mid
-                nxt.edge, nxt.up = e[j:], mid
-                mid.kids[e[j]] = nxt
-                nxt = mid
-            node, i = nxt, i + j
-        node.keys.add(rec.key)
-        rec.node = node
+        if rec.position > 0 and len(tokens) == rec.position:
+            self._index.add(rec.key, tokens)
 
     def _unindex(self, rec):
-        node, rec.node = rec.node, None
-        if node is None:
-            return
-        node.keys.discard(rec.key)
-        while node is not self._root and not node.keys:
-            up = node.up
-            if not node.kids:             # empty leaf: remove it
-                del up.kids[node.edge[0]]
-                node = up
-                continue
-            if len(node.kids) == 1:       # keyless pass-through: merge the only child into it
-                (child,) = node.kids.values()
-                child.edge = node.edge + child.edge
-                child.up = up
-                up.kids[child.edge[0]] = child
-            break
+        self._index.remove(rec.key)
 
     # ---- internals: opening a disk store ---------------------------------------------------
     def _scan(self, verify):
@@ -686,11 +598,11 @@ class CapsuleStore:
                 continue
             try:
                 if verify:
-                    cap = Capsule.load(path)
-                    entries, meta, tokens = list(cap.entries), cap.meta, _fmt._tokens(cap)
+                    cap = _fmt.load(path)
+                    entries, meta, tokens = list(cap.entries), cap.meta, cap.tokens
                     size = os.path.getsize(path)
                 else:
-                    entries, meta, tokens, size = read_header(path)
+                    entries, meta, tokens, size = _fmt.read_header(path)
                 mtime = os.stat(path).st_mtime_ns
             except FileNotFoundError:
                 continue                  # claimed or removed meanwhile

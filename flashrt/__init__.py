@@ -32,29 +32,33 @@ def load(path, device="cpu", dtype=None, max_seq_len: int = 4096, cuda_graphs: b
     2-32-row steps on the small-M kernel), "onednn" or "aten" (F.linear, transformers'
     kernel: bitwise-comparable with it; for debugging).
     """
+    from .lm import LanguageModel, Options
     from .loader import load_model
-    from .runtime import Options, Runtime, SessionPool
+    from .pool import SessionPool
     if max_seq_len < 1:
         raise ValueError(f"max_seq_len must be >= 1, got {max_seq_len}")
     model = load_model(path, device=device, dtype=dtype, linear_kernel=linear_kernel)
     opts = Options(max_seq_len=max_seq_len, prefill_chunk=prefill_chunk,
                    checkpoint_every=checkpoint_every, max_checkpoints=max_checkpoints,
                    cuda_graphs=cuda_graphs, seed=seed)
-    pool = SessionPool(model, opts, sessions - 1) if sessions > 1 else None
-    return Runtime(model, opts, pool=pool)
+    pool = SessionPool(lambda p: LanguageModel(model, opts, pool=p), sessions - 1) if sessions > 1 else None
+    return LanguageModel(model, opts, pool=pool)
 
 
 def __getattr__(name):
     # Lazy: importing flashrt stays cheap and free of torch work until used.
-    if name == "Runtime":
-        from .runtime import Runtime
-        return Runtime
-    if name == "Capsule":
-        from .capsules.capsule import Capsule
-        return Capsule
+    if name in ("Runtime", "LanguageModel"):
+        from .lm import LanguageModel
+        return LanguageModel
+    if name == "Session":
+        from .session import Session
+        return Session
+    if name in ("Capsule", "save_capsule", "load_capsule"):
+        from . import capsules
+        return getattr(capsules, name)
     raise AttributeError(f"module 'flashrt' has no attribute {name!r}")
 
 
-__all__ = ["load", "Runtime", "Capsule", "FlashRTError", "ArenaError", "ConfigError", "WeightError",
+__all__ = ["load", "Runtime", "LanguageModel", "Session", "Capsule", "save_capsule", "load_capsule", "FlashRTError", "ArenaError", "ConfigError", "WeightError",
            "CapsuleError", "CapsuleMismatchError", "CapsuleCorruptError", "CapsuleConsumedError",
            "__version__"]

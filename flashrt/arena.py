@@ -19,8 +19,8 @@ import torch
 from .errors import ArenaError
 
 # Capsule kinds first, in the order they are laid out; io and scratch are never captured.
-KINDS = ("recurrent", "conv", "mtp", "rng", "meta", "kv", "io", "scratch")
-CAPSULE_KINDS = frozenset(("kv", "recurrent", "conv", "mtp", "rng", "meta"))
+KINDS = ("recurrent", "conv", "rng", "meta", "kv", "io", "scratch")
+CAPSULE_KINDS = frozenset(("kv", "recurrent", "conv", "rng", "meta"))
 ALIGN = 256  # bytes; keeps every view 16-byte aligned for vector copies and kernels
 
 
@@ -95,11 +95,11 @@ class Arena:
         dup = {n for n in names if names.count(n) > 1}
         if dup:
             raise ArenaError(f"duplicate buffer names: {sorted(dup)}")
-        self.device = torch.device(device)
         self.slots, self.nbytes = plan_slots(specs)
-        check_free_memory(self.nbytes, self.device)
+        check_free_memory(self.nbytes, torch.device(device))
         # Zeroed once: recurrent/conv state must start at zero; nothing else relies on it.
-        self.data = torch.zeros(self.nbytes, dtype=torch.uint8, device=self.device)
+        self.data = torch.zeros(self.nbytes, dtype=torch.uint8, device=device)
+        self.device = self.data.device      # as tensors report it: "cuda" becomes "cuda:0"
         self._slot = {s.name: s for s in self.slots}
         self._views = {s.name: self._make_view(s) for s in self.slots}
         fixed = [s for s in self.slots if s.spec.kind in CAPSULE_KINDS and s.spec.seq_dim is None]
@@ -112,10 +112,6 @@ class Arena:
         nxt = self.slots[len(fixed)] if fixed and len(self.slots) > len(fixed) else None
         self.after_fixed = (nxt.name if nxt is not None and nxt.spec.kind in CAPSULE_KINDS
                             and nxt.spec.seq_dim == 0 else None)
-        # Copy tables between this arena and any capsule buffer of a given entry table, kept by
-        # flashrt.capsules: a fresh capsule's copy plan is the table moved onto its buffer, with
-        # no views built (the arena never moves, so its addresses stay valid).
-        self.copy_tables: dict = {}
 
     def _make_view(self, slot: Slot) -> torch.Tensor:
         raw = self.data[slot.offset: slot.offset + slot.spec.nbytes]

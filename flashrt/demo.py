@@ -93,8 +93,8 @@ def run_demo(arch="qwen3_5", size="small", prefix=512, device="cpu") -> int:
     # 4. persistence: atomic save, validated load, byte-exact restore
     with tempfile.TemporaryDirectory() as d:
         f = Path(d) / "prefix.capsule"
-        save_ms, _ = _ms(lambda: cap.save(f), n=1)
-        load_ms, loaded = _ms(lambda: flashrt.Capsule.load(f, device=device), n=1)
+        save_ms, _ = _ms(lambda: flashrt.save_capsule(cap, f), n=1)
+        load_ms, loaded = _ms(lambda: flashrt.load_capsule(f, device=device), n=1)
         rt.restore(loaded)
         from_disk = rt.generate(max_new_tokens=8, ignore_eos=True)
         print(f"[disk] saved {f.stat().st_size / 2**20:.2f} MiB in {save_ms:.1f} ms, loaded+verified in "

@@ -1,46 +1,52 @@
-"""CUDA graphs: one graph per step size, captured once per session over its arena.
+"""CUDA graph capture in one place: bodies captured once per session over its arena.
 
-Captured sizes are powers of two up to `max_size` (decode and short prefill chunks such as a
-user turn, where launch overhead dominates; longer chunks run eagerly, since the graph body
-attends over the whole capacity).
-A length is replayed as a sum of captured sizes, so no step is padded: padding would advance
-recurrent state by tokens that do not exist. Inputs go through io.ids; the position lives in
-meta.position; logits land in meta.logits.
+A body reads inputs from fixed-address arena buffers and writes its results there too, so a
+graph replays it at any position (the position is a device tensor, never a baked-in int).
+Warm-up runs the bodies for real; the caller supplies `preserving`, which puts the session's
+state back afterwards. Capture is largest body first into one shared memory pool.
 """
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 
 
-class StepGraphs:
-    def __init__(self, rt, max_size: int = 1):
-        self.rt, self.max_size = rt, max_size
-        self.sizes = [1 << i for i in range(max_size.bit_length()) if (1 << i) <= max_size]
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+class CapturedBodies:
+    def __init__(self):
+        self.graphs: dict = {}
+        self.outs: dict = {}
+        self._pool = None
 
-    def capture(self) -> None:
-        """Warm up, then capture largest first so smaller graphs reuse the shared pool."""
-        rt, pool = self.rt, None
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.no_grad(), torch.cuda.stream(stream):
-            for T in self.sizes:                     # warm-up: kernels chosen, workspaces sized
-                rt._static_step(T)
-        torch.cuda.current_stream().wait_stream(stream)
-        with torch.no_grad():
-            for T in reversed(self.sizes):
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g, pool=pool):
-                    rt._static_step(T)
-                pool = g.pool() if pool is None else pool
-                self.graphs[T] = g
-        torch.cuda.synchronize()
+    def capture(self, bodies: dict, preserving: Callable) -> None:
+        """bodies: key -> zero-argument callable, in increasing size; captured once each."""
+        def go():
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.no_grad(), torch.cuda.stream(stream):
+                for body in bodies.values():       # warm-up: kernels chosen, workspaces sized
+                    body()
+            torch.cuda.current_stream().wait_stream(stream)
+            with torch.no_grad():
+                for key, body in reversed(list(bodies.items())):
+                    g = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(g, pool=self._pool):
+                        self.outs[key] = body()
+                    self._pool = g.pool() if self._pool is None else self._pool
+                    self.graphs[key] = g
+            torch.cuda.synchronize()
+        preserving(go)
 
-    def run(self, ids: torch.Tensor) -> None:
-        """Replay for len(ids) tokens, as a sum of captured sizes, largest first."""
-        io, i, n = self.rt.arena["io.ids"], 0, ids.shape[0]
-        for T in reversed(self.sizes):
-            while n - i >= T:
-                io[:T].copy_(ids[i: i + T])
-                self.graphs[T].replay()
-                i += T
+    def __contains__(self, key) -> bool:
+        return key in self.graphs
+
+    def replay(self, key):
+        """Replay; returns the body's output tensors (static buffers: copy before the next)."""
+        self.graphs[key].replay()
+        return self.outs[key]
+
+
+def power_of_two_sizes(max_size: int) -> list[int]:
+    """Captured step sizes; any length replays as a sum of them (no padding: padding would
+    advance recurrent state by positions that do not exist)."""
+    return [1 << i for i in range(max_size.bit_length()) if (1 << i) <= max_size]

@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
-from . import native
 from .errors import ConfigError, WeightError
 from .layers import select_linear_kernel
 from .tokenizer import load_tokenizer
@@ -112,8 +113,8 @@ def load_model(path, device="cpu", dtype=None, linear_kernel: str = "auto") -> L
 def _assign_weights(net, files, device, dtype) -> str:
     """Map, check and assign every tensor; returns a digest of the on-disk weights."""
     expected = {k: v for k, v in net.state_dict().items()}
-    fp32 = getattr(net, "fp32_params", ())
-    loaded, digests = {}, []
+    fp32 = net.fp32_params
+    loaded, tensors = {}, []
     for f in files:
         with safe_open(str(f), framework="pt", device="cpu") as sf:
             for name in sf.keys():
@@ -126,26 +127,30 @@ def _assign_weights(net, files, device, dtype) -> str:
                 if tuple(t.shape) != tuple(expected[ours].shape):
                     raise WeightError(f"weight {name!r}: shape {tuple(t.shape)} in checkpoint, "
                                       f"model expects {tuple(expected[ours].shape)}")
-                digests.append(f"{name}:{t.dtype}:{tuple(t.shape)}:{_tensor_digest(t)}")
+                tensors.append((name, t))
                 want = torch.float32 if any(ours.endswith(s) for s in fp32) else dtype
                 loaded[ours] = t.to(device=device, dtype=want)
-    missing = sorted(set(expected) - set(loaded) - net.extra_weight_names(set(loaded)))
+    missing = sorted(set(expected) - set(loaded) - net.optional_weights(set(loaded)))
     if missing:
         raise WeightError(f"missing weight(s): {missing[:8]}{' ...' if len(missing) > 8 else ''}")
-    net.on_weights_loaded(set(loaded)) if hasattr(net, "on_weights_loaded") else None
+    net.on_weights_loaded(set(loaded))
     net.load_state_dict(loaded, strict=False, assign=True)
     still_meta = [n for n, p in net.named_parameters() if p.is_meta]
     if still_meta:   # optional weights that were absent: the model must have dropped their modules
         raise WeightError(f"parameters left without weights: {still_meta[:8]}")
-    return hashlib.sha256("\n".join(sorted(digests)).encode()).hexdigest()[:16]
+    return weights_digest(tensors)
 
 
-def _tensor_digest(t: torch.Tensor) -> str:
-    # xxh64 through the extension (GB/s); without it, blake2b beats the pure-Python xxh64.
-    if native.HAVE_EXT:
-        return f"xxh64:{native.xxh64(t.contiguous()):016x}"
-    return "blake2b:" + hashlib.blake2b(t.contiguous().view(torch.uint8).numpy().tobytes(),
-                                        digest_size=8).hexdigest()
+def weights_digest(tensors) -> str:
+    """One digest of (name, tensor) pairs whatever the build (capsules made by any install of
+    the same weights fit): sha256 per tensor, hashed on all cores (hashlib drops the GIL)."""
+    def one(item):
+        name, t = item
+        raw = t.contiguous().view(-1).view(torch.uint8).numpy()
+        return f"{name}:{t.dtype}:{tuple(t.shape)}:{hashlib.sha256(raw).hexdigest()[:16]}"
+    with ThreadPoolExecutor(max(1, min(8, os.cpu_count() or 1))) as ex:
+        lines = sorted(ex.map(one, tensors))
+    return "sha256:" + hashlib.sha256("\n".join(lines).encode()).hexdigest()[:16]
 
 
 def check_supported(hf: dict, supported) -> str:

@@ -1,58 +1,51 @@
-"""The small protocol every model file implements, and helpers they share.
+"""Causal language models on the protocol: token ids or embeddings in, logits and hidden out.
 
-A model owns weights and declares its state; it never allocates state itself. The runtime
-gives it an arena (name -> view) and a StepCtx; the model reads and writes its named buffers
-in place, so the same forward runs eagerly on CPU and inside a captured CUDA graph.
+A model file subclasses CausalLM and implements `state_specs` and `hidden` (layers + final
+norm); embedding, the head and the input forms are shared here.
 """
 from __future__ import annotations
 
 import torch
-from torch import nn
 
-from .arena import BufferSpec
 from .errors import ConfigError
 from .layers import StepCtx, linear
+from .protocol import InputSpec, StatefulModel
 
 
-class CausalLM(nn.Module):
-    """Base class. Subclasses set `model_type`, `config`, and implement the three hooks."""
-    model_type: str = ""
+class CausalLM(StatefulModel):
     linear_kernel: str = "aten"     # heads; set with the projections by select_linear_kernel
 
-    def state_specs(self, max_seq_len: int, dtype: torch.dtype) -> list[BufferSpec]:
-        """Named buffers this model reads and writes (KV, recurrent, conv, mtp)."""
+    def input_specs(self, dtype):
+        h = self.config.hidden_size
+        return [InputSpec("ids", (), torch.int64, "token ids"),
+                InputSpec("embeds", (h,), None, "input embeddings (e.g. image or audio features)")]
+
+    def hidden(self, x: torch.Tensor, ctx: StepCtx, state, all_positions: bool) -> torch.Tensor:
+        """(T, hidden) input embeddings -> (T or 1, hidden) after the final norm."""
         raise NotImplementedError
 
-    def forward(self, ids: torch.Tensor, ctx: StepCtx, state, all_logits: bool = False) -> torch.Tensor:
-        """ids: (T,) int64. Advances the model's state by T tokens. Returns logits (T or 1, V)."""
-        raise NotImplementedError
-
-    def map_weight_name(self, name: str) -> str | None:
-        """Checkpoint tensor name -> parameter name; None means 'known, ignored here'.
-        Default: the plain Hugging Face causal-LM layout (`model.*`, optional `lm_head`)."""
-        if name == "lm_head.weight" and self.config.tie_word_embeddings:
-            return None                     # a tied head saved anyway duplicates embed_tokens
-        return name[len("model."):] if name.startswith("model.") else name
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(ids)                              # (T,) -> (T, hidden)
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
         """Logits from final hidden states (T, hidden) -> (T, vocab), tied or untied."""
         w = self.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
         return linear(x, w, kernel=self.linear_kernel)
 
-    # -- shared --------------------------------------------------------------------------
+    def forward(self, inputs: dict, ctx: StepCtx, state, all_positions: bool = False) -> dict:
+        x = inputs["embeds"] if "embeds" in inputs else self.embed(inputs["ids"])
+        h = self.hidden(x, ctx, state, all_positions)
+        return {"logits": self.head(h), "hidden": h}
+
+    def map_weight_name(self, name: str) -> str | None:
+        """The plain Hugging Face causal-LM layout (`model.*`, optional `lm_head`)."""
+        if name == "lm_head.weight" and self.config.tie_word_embeddings:
+            return None                     # a tied head saved anyway duplicates embed_tokens
+        return name[len("model."):] if name.startswith("model.") else name
+
     @property
     def vocab_size(self) -> int:
         return self.config.vocab_size
-
-    def materialize_buffers(self, device) -> None:
-        """Recompute non-persistent buffers after weights were assigned from a meta-device build."""
-        for m in self.modules():
-            if hasattr(m, "rebuild") and m is not self:
-                m.rebuild(device)
-
-    def extra_weight_names(self, present: set[str]) -> set[str]:
-        """Parameters that may legitimately be absent (e.g. optional MTP weights)."""
-        return set()
 
 
 def require(cfg: dict, key: str, model_type: str):
@@ -64,3 +57,13 @@ def require(cfg: dict, key: str, model_type: str):
 def check(cond: bool, model_type: str, field: str, why: str) -> None:
     if not cond:
         raise ConfigError(f"{model_type} config: unsupported {field}: {why}")
+
+
+def check_rope(cfg: dict, model_type: str) -> dict:
+    """rope_parameters (default rope only, as is rope_scaling when present); returns them."""
+    rope, scaling = cfg.get("rope_parameters") or {}, cfg.get("rope_scaling")
+    check(not scaling or scaling.get("rope_type", scaling.get("type")) == "default", model_type,
+          "rope_scaling", f"{scaling} (only default rope is implemented)")
+    check(rope.get("rope_type", "default") == "default", model_type, "rope_parameters.rope_type",
+          f"{rope.get('rope_type')} (only default rope is implemented)")
+    return rope

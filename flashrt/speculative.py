@@ -1,234 +1,103 @@
-"""Speculative decoding: the Qwen3.5 MTP layer (or an injected drafter) drafts, the main model
-verifies k+1 tokens in one step, the accepted prefix is committed, the rest is rolled back.
+"""Speculative decoding: the model's draft head (Qwen3.5's MTP layer) or an injected drafter
+drafts, the main model verifies k+1 tokens in one step, the accepted prefix is committed.
 
     rt.generate(prompt, max_new_tokens=64, speculative="mtp", draft_tokens=2)
 
-One round, from a session at rest at position P (tokens [0, P) committed, `meta.logits` the
-prediction for P) with a pending token x0 (already chosen, not yet run through the model):
+One round, from a session at rest at position P (tokens [0, P) committed, the last logits the
+prediction for P) with a pending token x0 (chosen, not yet run through the model):
+1. draft d1..dk (greedy: argmax; sampling: d ~ q under the target's temperature/top-k/top-p);
+2. mark the fixed-size state (Session.mark: one contiguous copy into a reused buffer);
+3. verify [x0, d1..dk] at positions P..P+k in one step (all-position hidden and logits);
+4. accept (flashrt/acceptance.py; uniforms from the arena RNG, so capsules carry the stream);
+5. commit x0, d1..da; on partial acceptance rewind the fixed state (KV is rewound by position)
+   and re-run x0, d1..da; 6. the correction/bonus token becomes the next pending token.
+Why mark + rewind + re-run rather than per-token state planes: it needs nothing from the models
+and works for every one of them; measurements and the trade-off are in bench/README.md.
 
-1. draft: the MTP layer proposes d1..dk (greedy: argmax; sampling: d ~ q, q the MTP's
-   distribution under the same temperature/top-k/top-p as the target);
-2. snapshot the fixed-size state (recurrent, conv, MTP hidden, ...) into a preallocated
-   capsule (`snapshot_arena(..., fixed_only=True, into=...)`, one contiguous copy);
-3. verify: one main-model step over [x0, d1..dk] at positions P..P+k returning all-position
-   hidden states and logits;
-4. accept: greedy: the longest prefix of drafts equal to the target's argmax; sampling: the
-   standard rule (accept d with prob min(1, p(d)/q(d)); on the first rejection sample from
-   normalize(max(0, p - q)); all accepted: a bonus token from p), uniforms from the arena RNG
-   (`flashrt.sampler.uniform`), so capsules carry the stream;
-5. commit x0, d1..da. All k accepted: the verify state already is the committed state.
-   Otherwise restore the fixed state from the capsule (KV is rewound by position for free:
-   rows past the committed position are never read) and re-prefill x0, d1..da (a+1 tokens);
-6. the correction/bonus token y becomes the next round's pending token.
-
-Mechanism: (b) fixed-state capsule + restore + re-prefill, chosen over (a) per-step state
-planes kept during verify. Measured on CPU (fp32, 1 thread, a shared 2-core machine; medians,
-ms; context 128; `python bench/speculative.py`, bench/results/speculative.json; noisy):
-
-    size   decode  verify k=1..4  snapshot  restore  re-prefill 1 | 2..4 tok  MTP step  planes est.
-    tiny    5.1    7.9 - 8.4      0.41      0.08     5.0 | 7.9 - 8.4          1.9       0.04
-    small  52      100 - 114      0.87      0.35     53  | 87 - 95            19        0.4 - 0.8
-
-(tiny: 4 layers, hidden 64, vocab 512, 19 KiB fixed state; small: 8 layers, hidden 512, vocab
-32k, 1 MiB fixed state.) The capsule copies cost ~1% (small) to ~6% (tiny) of a verify step;
-the cost of (b) is the re-prefill on partial acceptance: one more main step over the a+1
-accepted tokens. (a) would avoid that re-prefill; its extra work (the per-token GDN rule in
-place of the chunked one over k+1 tokens, plus k+1 state-plane copies: "planes est.") is
-0.4-0.8 ms on small, so by these figures (a) is the cheaper mechanism whenever acceptance is
-partial (modeled small, k=3, acceptance 0.7: 11.3 tok/s with (b) vs ~14.5 with (a); equal at
-acceptance 1). (a) however needs every recurrent mixer to emit a state per token: a change to
-the GDN layer in models/qwen3_5.py / flashrt/linear_attn.py (and on GPU a GDN kernel that
-writes intermediate states; fla's chunked kernel does not), outside this module. (b) needs
-nothing from the models and works for every one of them (attention-only, GDN, short-conv,
-MTP), so (b) is what is implemented, correctness first; (a) for GDN is the recommended next
-step, worth the re-prefill cost above.
-
-On this CPU speculative decoding does not pay: a step over 2..5 tokens costs ~2x a 1-token
-step whatever k (fp32 GEMM at M >= 2 vs the M = 1 GEMV), and the MTP step is ~37% of a decode
-(its 32k-vocab head), so the modeled break-even per-token acceptance on small is 0.95 (k = 3,
-4) and k = 1, 2 never break even; at acceptance 1, k = 4 models 1.20x (an oracle drafter, which
-drafts for free, measures 1.4-1.7x end to end at k = 3, 4). On a GPU, where a (k+1)-token step
-costs about a 1-token step, the balance differs; not measured here (no GPU). Random weights
-accept almost no MTP draft, so real acceptance rates cannot be measured with these checkpoints.
-
-Everything the next round needs lives in the arena between rounds except the MTP "backlog":
-MTP KV row p holds the pair (main hidden at p, token at p+1) (see models/qwen3_5.py), so the
-rows of accepted tokens can only be written once their main hidden states exist (verify or
-re-prefill returns them per position). They are written in the next round's first MTP call
-together with the new (hidden, pending token) pair, one batched MTP step; at the end of a
-generate call the backlog is flushed, so a session at rest has MTP rows [0, P-1) valid and a
-capsule taken between generate calls continues identically. Row P-1 pairs with the next
-pending token and is written by the next draft. The prompt given to generate(ids=...,
-speculative=...) is prefilled with per-position hidden states and its MTP rows filled; a
-context built by plain prefill()/decode() leaves its MTP rows unwritten: drafts still verify
-exactly (output is unaffected), acceptance is lower. Writing MTP rows below the committed
-position (row P-1, the prompt's rows) drops the session's anchors above the lowest row written:
-a capsule taken at rest holds the old row P-1, so it can no longer parent a delta snapshot.
-
-MTP drafting beyond the first token feeds the MTP layer's own (post-norm) output hidden state
-as the next step's hidden (as vLLM's MTP proposer does); the draft KV rows it writes past the
-committed position are rewritten from true main hidden states before they are read again.
-
-Injected drafters: `drafter(rt, k) -> list of <= k token ids` (or `(ids, q)`, q a (len, V)
-tensor of the drafter's probabilities, for sampling; plain ids count as a point mass q=1).
-`rt.tokens` is the committed context; the drafts continue it after the pending token
-`pending_token(rt)`. k may be below draft_tokens near max_new_tokens, max_seq_len and rollback
-checkpoint boundaries (verify never crosses one, so checkpoints stay where rollback expects).
-speculative="draft" uses a drafter on any model (qwen3, lfm2 too); speculative="mtp" needs a
-checkpoint with MTP weights (a drafter may still replace its drafts; MTP rows are kept).
-
-Greedy output equals plain greedy decoding up to near-ties: verifying k+1 tokens in one step
-(chunked GDN rule, batched matmuls) changes logit bits vs single-token decode (~1e-6 fp32).
-
-CUDA graphs (unverified on GPU: no GPU on the development machine). The verify step needs
-all-position hidden states and logits, which the runtime's per-power-of-two step graphs do not
-return, so it gets its own captured bodies: `SpecSteps` captures, per size T = 1..k+1, the
-all-position main step (serves verify with T = k+1 and re-prefill with T = a+1) and the MTP
-step (the batched first draft step and the T=1 chained steps). They are captured lazily on the
-first speculative generate with a given k on a CUDA session with cuda_graphs (a one-off cost
-of a few captures); the graph bodies are exactly the static (device-position) bodies that the
-CPU tests run eagerly. Single-token steps (k'=0 rounds, the final pending commit) use the
-runtime's own graphs. Everything else (prompt prefill, backlog flush) runs eagerly.
+Draft-head rows: row p of the head's KV holds the pair (main hidden at p, token at p+1), so the
+rows of accepted tokens are written once their main hidden states exist, in the next round's
+first draft call (the "backlog"); a generate call flushes it at the end, so a session at rest
+has rows [0, P-1) valid and a capsule taken between calls continues identically. Writing rows
+below the committed position invalidates capsules above them as delta parents (Session).
+Injected drafters: `drafter(rt, k) -> <= k token ids` (or `(ids, q)`, q (len, V) probabilities);
+they continue `pending_token(rt)`. Greedy output equals plain greedy up to near-ties: a (k+1)-
+token verify changes logit bits vs single-token decode (~1e-6 fp32).
+CUDA: the verify and draft bodies are captured per size (flashrt/graphs.py) on first use.
 """
 from __future__ import annotations
 
 import torch
 
-from flashrt.arena import CAPSULE_KINDS
-from flashrt.capsules.capsule import CapsuleMeta, restore_arena, snapshot_arena
+from flashrt.acceptance import accept_test, residual, sample_from, target_probs
+from flashrt.graphs import CapturedBodies
+from flashrt.inputs import token_ids
 from flashrt.layers import StepCtx
 from flashrt.sampler import sample, uniform, validate
 
 MODES = ("mtp", "draft")
 
 
-# ---- the acceptance rule (pure functions, vectorised over leading dims) ------------------------
-def target_probs(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0):
-    """The distribution `flashrt.sampler.sample` draws from, as float64 probabilities (..., V).
-
-    Same steps: scale, softmax, stable descending sort, keep top-k, keep the smallest prefix
-    whose mass reaches top_p, renormalise. Greedy (temperature 0) is a point mass on argmax.
-    """
-    V = logits.shape[-1]
-    if temperature == 0.0:
-        return torch.nn.functional.one_hot(logits.argmax(-1), V).double()
-    probs, order = torch.sort(torch.softmax(logits.float() / temperature, dim=-1), dim=-1,
-                              descending=True, stable=True)
-    zero = torch.zeros((), dtype=probs.dtype, device=probs.device)
-    if top_k > 0:
-        probs = torch.where(torch.arange(V, device=probs.device) < top_k, probs, zero)
-    if top_p < 1.0:
-        before = torch.cumsum(probs, -1) - probs
-        probs = torch.where(before < top_p * probs.sum(-1, keepdim=True), probs, zero)
-    probs = probs.double()
-    out = torch.zeros_like(probs).scatter_(-1, order, probs)
-    return out / out.sum(-1, keepdim=True)
-
-
-def sample_from(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """Inverse CDF in index order: probs (..., V) (need not sum to 1), u (...) in [0, 1).
-
-    Never returns a zero-probability token (a rounding overshoot lands on the last nonzero)."""
-    cdf = torch.cumsum(probs.double(), -1)
-    x = (u.double() * cdf[..., -1]).unsqueeze(-1)
-    j = torch.searchsorted(cdf, x, right=True)[..., 0]
-    V = probs.shape[-1]
-    last = V - 1 - torch.argmax((probs.flip(-1) > 0).to(torch.int8), dim=-1)
-    return torch.minimum(j, last)
-
-
-def accept_test(p: torch.Tensor, q: torch.Tensor, d: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """Accept draft d ~ q with probability min(1, p(d)/q(d)): u * q(d) < p(d), u in [0, 1)."""
-    pd = p.gather(-1, d.unsqueeze(-1))[..., 0].double()
-    qd = q.gather(-1, d.unsqueeze(-1))[..., 0].double()
-    return u.double() * qd < pd
-
-
-def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """normalize(max(0, p - q)); p itself where that is empty (p == q: rejection impossible)."""
-    r = (p.double() - q.double()).clamp_min_(0.0)
-    s = r.sum(-1, keepdim=True)
-    return torch.where(s > 0, r / torch.where(s > 0, s, torch.ones_like(s)), p.double())
-
-
-def accept_draft(p, q, d, u_accept, u_resample):
-    """One position of the rule: (accepted, token). token = d if accepted, else a sample of the
-    residual. Shapes: p, q (..., V); d, u_accept, u_resample (...). Vectorised for tests."""
-    ok = accept_test(p, q, d, u_accept)
-    return ok, torch.where(ok, d, sample_from(residual(p, q), u_resample))
-
-
-# ---- the MTP step, returning its hidden state too -----------------------------------------------
-def mtp_step(net, tokens, hidden, ctx: StepCtx, state):
-    """`Model.mtp_forward` plus the MTP's post-norm output hidden state (T, hidden), which the
-    next chained draft step consumes. Same ops as mtp_forward (tests hold them equal)."""
-    m = net.mtp
-    e = m.pre_fc_norm_embedding(net.embed_tokens(tokens))
-    x = m.fc(torch.cat([e, m.pre_fc_norm_hidden(hidden.to(e.dtype))], dim=-1))
-    cos, sin = net.rotary(ctx.positions, x.dtype)
-    h = m.norm(m.layers[0](x, ctx, state, cos, sin))
-    return net.logits(h), h
-
-
 # ---- steps: eager, static (graph body run eagerly), or captured ---------------------------------
 class EagerSteps:
-    """Main all-position step and MTP step, eager (host positions)."""
+    """Main all-position step (not committed) and draft-head step, eager (host positions)."""
 
     def __init__(self, rt):
         self.rt, self.net = rt, rt.net
-        self.has_hidden = hasattr(rt.net, "hidden_states")
 
     def main(self, ids: torch.Tensor, all_logits: bool = True):
-        """Advance the model by len(ids) at rt.position WITHOUT committing (rt._pos unchanged).
-        Returns (hidden (T, H) or None, float32 logits (T, V), or (1, V) if not all_logits)."""
-        rt, T = self.rt, ids.shape[0]
-        start = rt._pos
-        ctx = StepCtx(T, torch.arange(start, start + T, device=ids.device), start=start)
-        if not self.has_hidden:
-            return None, self.net(ids, ctx, rt.arena, all_logits=True).float()
-        h = self.net.hidden_states(ids, ctx, rt.arena, all_positions=True)
-        return h, self.net.logits(h if all_logits else h[-1:]).float()
+        """Run len(ids) positions at rt.position WITHOUT committing them. Returns
+        (hidden (T, H), float32 logits (T, V), or (1, V) if not all_logits)."""
+        net, a = self.net, self.rt.arena
 
-    def mtp(self, tokens: torch.Tensor, hidden: torch.Tensor, row0: int):
-        """MTP over pairs at rows row0.. (writes MTP KV there). Returns (logits, hidden)."""
+        def body(ctx):
+            h = net.hidden(net.embed(ids), ctx, a, all_positions=True)
+            return h, net.head(h if all_logits else h[-1:]).float()
+        return self.rt.session.step(ids.shape[0], body, commit=False)
+
+    def draft(self, tokens: torch.Tensor, hidden: torch.Tensor, row0: int):
+        """Draft head over pairs at rows row0.. (writes its rows there). (logits, hidden)."""
         T = tokens.shape[0]
         ctx = StepCtx(T, torch.arange(row0, row0 + T, device=tokens.device), start=row0)
-        return mtp_step(self.net, tokens, hidden, ctx, self.rt.arena)
+        return self.net.draft(tokens, hidden, ctx, self.rt.arena)
 
 
 class SpecSteps(EagerSteps):
-    """Graph-safe bodies (positions on device, full-capacity masked attention) for T <= max_T.
-
-    capture=True (CUDA) records one graph per size for the main all-position step and the MTP
-    step; capture=False runs the same bodies eagerly (how the CPU tests check them). Sizes
-    above max_T (or prefill_chunk) fall back to the eager path. Unverified on GPU.
-    """
+    """Graph-safe bodies (positions on device, full-capacity masked attention) for T <= max_T;
+    capture=True (CUDA) records one graph per size and kind, capture=False runs the same
+    bodies eagerly (how the CPU tests check them). Larger sizes fall back to eager."""
 
     def __init__(self, rt, max_T: int, capture: bool):
         super().__init__(rt)
-        a, dev = rt.arena, rt.model.device
+        dev, hid = rt.model.device, rt.net.config.hidden_size
         self.max_T = min(max_T, rt.options.prefill_chunk)
-        hid = rt.net.config.hidden_size
         self.m_tok = torch.zeros(self.max_T, dtype=torch.int64, device=dev)
         self.m_hid = torch.zeros(self.max_T, hid, dtype=rt.model.dtype, device=dev)
         self.m_pos = torch.zeros(1, dtype=torch.int64, device=dev)
-        self.ids = a["io.ids"]
-        self.graphs: dict = {}
-        self.outs: dict = {}
+        self.ids = rt.arena["io.ids"]
+        self.graphs = CapturedBodies()
         if capture:
-            self._capture()
+            bodies = {key: (lambda key=key: self.run_body(*key)) for key in self.bodies()}
+            self.graphs.capture(bodies, self.preserving_state)
+
+    def preserving_state(self, fn):
+        """Warm-up/capture runs the bodies for real: at the session's scratch window (the draft
+        bodies too), with the state put back afterwards."""
+        a = self.rt.arena
+
+        def at_scratch():
+            self.m_pos.copy_(a["meta.position"])
+            return fn()
+        return self.rt.session.preserving_state(at_scratch, self.max_T)
 
     def _main_body(self, T):
-        a = self.rt.arena
-        positions = a["meta.position"] + a["io.arange"][:T]
-        h = self.net.hidden_states(self.ids[:T], StepCtx(T, positions, static=True), a,
-                                   all_positions=True)
-        return h, self.net.logits(h).float()
+        a, net = self.rt.arena, self.net
+        h = net.hidden(net.embed(self.ids[:T]), self.rt.session.static_ctx(T), a, all_positions=True)
+        return h, net.head(h).float()
 
-    def _mtp_body(self, T):
-        a = self.rt.arena
-        positions = self.m_pos + a["io.arange"][:T]
-        return mtp_step(self.net, self.m_tok[:T], self.m_hid[:T], StepCtx(T, positions, static=True), a)
+    def _draft_body(self, T):
+        pos = self.m_pos + torch.arange(T, device=self.m_pos.device)
+        return self.net.draft(self.m_tok[:T], self.m_hid[:T], self.rt.session.static_ctx(T, pos),
+                              self.rt.arena)
 
     def main(self, ids, all_logits=True):
         T = ids.shape[0]
@@ -236,108 +105,80 @@ class SpecSteps(EagerSteps):
             return super().main(ids, all_logits)
         self.ids[:T].copy_(ids)
         if ("main", T) in self.graphs:
-            self.graphs["main", T].replay()
-            h, logits = self.outs["main", T]
+            h, logits = self.graphs.replay(("main", T))
             return h.clone(), logits.clone()
         return self._main_body(T)
 
-    def mtp(self, tokens, hidden, row0):
+    def draft(self, tokens, hidden, row0):
         T = tokens.shape[0]
         if T > self.max_T:
-            return super().mtp(tokens, hidden, row0)
+            return super().draft(tokens, hidden, row0)
         self.m_tok[:T].copy_(tokens)
         self.m_hid[:T].copy_(hidden)
         self.m_pos.fill_(row0)
-        if ("mtp", T) in self.graphs:
-            self.graphs["mtp", T].replay()
-            logits, h = self.outs["mtp", T]
+        if ("draft", T) in self.graphs:
+            logits, h = self.graphs.replay(("draft", T))
             return logits.clone(), h.clone()
-        return self._mtp_body(T)
+        return self._draft_body(T)
 
     def bodies(self) -> list:
-        """(kind, T) of every body this object captures."""
+        """(kind, T) of every body this object captures, smallest first per kind."""
         out = [("main", T) for T in range(1, self.max_T + 1)]
-        if getattr(self.net, "has_mtp", False):
-            out += [("mtp", T) for T in range(1, self.max_T + 1)]
+        if self.net.has_draft_head:
+            out += [("draft", T) for T in range(1, self.max_T + 1)]
         return out
 
     def run_body(self, kind: str, T: int):
-        return self._main_body(T) if kind == "main" else self._mtp_body(T)
-
-    def preserving_state(self, fn):
-        """Run fn (warm-up / capture of the bodies) and put the session's state back.
-
-        The bodies run for real during warm-up: they advance the fixed state (put back from a
-        fixed-only capsule) and write KV/MTP rows at a scratch position w.. (w = the committed
-        position, or lower near max_seq_len, when rows [w, P) are saved and put back)."""
-        rt, a = self.rt, self.rt.arena
-        P = rt._pos
-        w = max(0, min(P, rt.max_seq_len - self.max_T))
-        fixed = snapshot_arena(a, P, CapsuleMeta(P, rt.fingerprint, {}), fixed_only=True)
-        rows = {n: a[n][w: P].clone() for n in a.names() if a.slot(n).spec.seq_dim == 0
-                and a.slot(n).spec.kind in ("kv", "mtp")} if w < P else {}
-        a["meta.position"].fill_(w)
-        self.m_pos.fill_(w)
-        try:
-            return fn()
-        finally:
-            restore_arena(a, fixed, CAPSULE_KINDS)
-            for n, r in rows.items():
-                a[n][w: P].copy_(r)
-            a["meta.position"].fill_(P)
-
-    def _capture(self):
-        """Warm up on a side stream, then capture every body (largest first, one shared pool)."""
-        def go():
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.no_grad(), torch.cuda.stream(stream):
-                for kind, T in self.bodies():
-                    self.run_body(kind, T)
-            torch.cuda.current_stream().wait_stream(stream)
-            pool = None
-            with torch.no_grad():
-                for kind, T in reversed(self.bodies()):
-                    g = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(g, pool=pool):
-                        out = self.run_body(kind, T)
-                    pool = g.pool() if pool is None else pool
-                    self.graphs[kind, T], self.outs[kind, T] = g, out
-            torch.cuda.synchronize()
-        self.preserving_state(go)
+        return self._main_body(T) if kind == "main" else self._draft_body(T)
 
 
-def _cache(rt) -> dict:
-    """Per-session objects reused across generate calls (capsule buffer, captured steps)."""
-    c = getattr(rt, "_spec_cache", None)
-    if c is None:
-        c = rt._spec_cache = {}
-    return c
+class Speculator:
+    """Per-session speculative state kept across generate calls: the mark buffer, the steps,
+    the pending token (for injected drafters) and the last call's statistics."""
+
+    def __init__(self, rt):
+        self.rt = rt
+        self.steps = None
+        self.mark = None
+        self.pending = None
+        self.stats: dict = {}
+
+    def use_static_steps(self, max_T: int, capture: bool = False) -> SpecSteps:
+        """Run the graph-safe bodies (capture=False: eagerly, as CPU tests check them)."""
+        self.steps = SpecSteps(self.rt, max_T, capture)
+        return self.steps
+
+    def steps_for(self, k: int):
+        rt, s = self.rt, self.steps
+        if rt.graphs is not None and (not isinstance(s, SpecSteps) or s.max_T < k + 1):
+            s = self.steps = SpecSteps(rt, k + 1, capture=True)
+        elif s is None:
+            s = self.steps = EagerSteps(rt)
+        return s
+
+    @torch.no_grad()
+    def generate(self, ids, max_new_tokens, temperature, top_k, top_p, seed, stop, ignore_eos,
+                 speculative, draft_tokens, drafter) -> list[int]:
+        """LanguageModel.generate(..., speculative=...) under the session's lock: same contract
+        as plain generate (every returned token is committed; finish_reason says why)."""
+        check_request(self.rt, speculative, draft_tokens, drafter)
+        validate(temperature, top_k, top_p)
+        g = _Generation(self, draft_tokens, drafter, temperature, top_k, top_p)
+        stops = self.rt.start_generation(ids, seed, stop, ignore_eos, g.prefill)
+        out = g.run(max_new_tokens, stops)
+        self.stats = dict(g.stats)
+        return out
 
 
 def use_static_steps(rt, max_T: int, capture: bool = False) -> SpecSteps:
-    """Make this session's speculative steps the graph-safe bodies (capture=False: run eagerly,
-    for CPU tests of what a graph would record)."""
-    s = _cache(rt)["steps"] = SpecSteps(rt, max_T, capture)
-    return s
-
-
-def _steps(rt, k: int):
-    c = _cache(rt)
-    s = c.get("steps")
-    if rt.graphs is not None and (not isinstance(s, SpecSteps) or s.max_T < k + 1):
-        s = c["steps"] = SpecSteps(rt, k + 1, capture=True)
-    elif s is None:
-        s = c["steps"] = EagerSteps(rt)
-    return s
+    return rt.speculation().use_static_steps(max_T, capture)
 
 
 def pending_token(rt) -> int | None:
     """The token the drafts continue (chosen, not yet committed), while a drafter runs."""
-    return getattr(rt, "_spec_pending", None)
+    return rt.speculation().pending
 
 
-# ---- checks -------------------------------------------------------------------------------------
 def check_request(rt, speculative, draft_tokens, drafter) -> None:
     """Refuse a speculative request before any state changes."""
     if speculative is None and drafter is not None:
@@ -349,49 +190,43 @@ def check_request(rt, speculative, draft_tokens, drafter) -> None:
         raise ValueError(f"draft_tokens must be an int >= 1, got {draft_tokens!r}")
     if drafter is not None and not callable(drafter):
         raise TypeError(f"drafter must be callable(rt, k) -> token ids, got {type(drafter).__name__}")
-    if speculative == "mtp" and not getattr(rt.net, "has_mtp", False):
-        mt = rt.model.model_type
-        if hasattr(rt.net, "has_mtp"):
+    if speculative == "mtp" and not rt.net.has_draft_head:
+        if getattr(rt.net, "draft_hidden", None):
             why = f"the checkpoint {rt.model.path} has no MTP weights (mtp.*)"
         else:
-            why = f"model type {mt!r} has no MTP layer (no MTP weights)"
+            why = f"model type {rt.model.model_type!r} has no MTP layer (no MTP weights)"
         raise ValueError(f"speculative='mtp': {why}; use speculative=None, or "
                          "speculative='draft' with a drafter=")
     if speculative == "draft" and drafter is None:
         raise ValueError("speculative='draft' needs drafter=callable(rt, k) -> token ids")
 
 
-# ---- generate -----------------------------------------------------------------------------------
-@torch.no_grad()
 def generate(rt, ids=None, max_new_tokens: int = 32, temperature: float = 0.0, top_k: int = 0,
              top_p: float = 1.0, seed: int | None = None, stop=(), ignore_eos: bool = False,
              speculative: str = "mtp", draft_tokens: int = 2, drafter=None) -> list[int]:
-    """Runtime.generate(..., speculative=...) lands here; same contract as plain generate
-    (every returned token is committed; finish_reason says why it ended)."""
-    check_request(rt, speculative, draft_tokens, drafter)
-    validate(temperature, top_k, top_p)
-    with rt._lock:
-        g = _Generation(rt, draft_tokens, drafter, temperature, top_k, top_p)
-        stops = rt._start_generation(ids, seed, stop, ignore_eos, g.prefill)
-        return g.run(max_new_tokens, stops)
+    return rt.generate(ids, max_new_tokens, temperature, top_k, top_p, seed, stop, ignore_eos,
+                       speculative, draft_tokens, drafter)
 
 
 class _Generation:
-    """One speculative generate call over a session (holds its lock)."""
+    """One speculative generate call over a session (its caller holds the session's lock)."""
 
-    def __init__(self, rt, k, drafter, temperature, top_k, top_p):
-        self.rt, self.net, self.a = rt, rt.net, rt.arena
+    def __init__(self, spec: Speculator, k, drafter, temperature, top_k, top_p):
+        rt = spec.rt
+        self.spec, self.rt, self.net, self.a = spec, rt, rt.net, rt.arena
         self.k, self.drafter = k, drafter
         self.temp, self.top_k, self.top_p = temperature, top_k, top_p
         self.greedy = temperature == 0.0
-        self.has_mtp = getattr(rt.net, "has_mtp", False)
-        self.steps = _steps(rt, k)
+        self.hidden_name = getattr(rt.net, "draft_hidden", None) if rt.net.has_draft_head else None
+        self.steps = spec.steps_for(k)
         self.dev = rt.model.device
-        # MTP backlog: main hidden states at rows r0.. and the tokens after them
+        # draft-head backlog: main hidden states at rows r0.. and the tokens after them
         self.bl_h: list[torch.Tensor] = []
         self.bl_t: list[int] = []
         self.bl_r0 = 0
         self.stats = {"rounds": 0, "drafted": 0, "accepted": 0, "reprefills": 0}
+        # per draft position j: (drafted at j, accepted at j) — the acceptance rate by depth
+        self.stats["by_position"] = [[0, 0] for _ in range(k)]
 
     # -- helpers ---------------------------------------------------------------------------
     def _t(self, ids) -> torch.Tensor:
@@ -400,40 +235,37 @@ class _Generation:
     def _u(self) -> torch.Tensor:
         return uniform(self.a["sampler.rng"])[0]
 
-    def _commit(self, toks: list[int], logits_last: torch.Tensor):
-        rt, P, n = self.rt, self.rt._pos, len(toks)
-        rt._note_threads()
-        rt._commit(self._t(toks), torch.arange(P, P + n, device=self.dev), logits_last, P + n)
-        rt._pos = P + n
-        rt._maybe_checkpoint()
+    def _last_hidden(self) -> torch.Tensor:
+        return self.a[self.hidden_name][None].clone()
 
-    def _write_mtp(self, tokens: torch.Tensor, hidden: torch.Tensor, row0: int):
-        # rows below the committed position change: capsules that hold the old rows are no
-        # longer anchors (parents for delta snapshots / rollback sources)
-        self.rt._drop_anchors_above(row0)
-        return self.steps.mtp(tokens, hidden, row0)
+    def _draft(self, tokens: torch.Tensor, hidden: torch.Tensor, row0: int):
+        if row0 < self.rt.position:      # rows below the committed position change
+            self.rt.session.invalidate_from(row0)
+        return self.steps.draft(tokens, hidden, row0)
 
     # -- prompt -----------------------------------------------------------------------------
     def prefill(self, ids):
         rt = self.rt
-        t = rt._check_ids(ids)
-        if not self.has_mtp:
-            rt._advance(t, False)
+        t = token_ids(ids, self.net.vocab_size, self.dev)
+        rt.session.check_room(t.shape[0])
+        if self.hidden_name is None:
+            rt.advance(t)
             return
-        start = rt._pos
-        hs = [self.a["mtp.hidden"][None].clone()] if start > 0 else []
+        start = rt.position
+        hs = [self._last_hidden()] if start > 0 else []
         i = 0
-        for n in rt._chunks(t.shape[0]):
+        for n in rt.session.chunks(t.shape[0]):
             h, logits = EagerSteps.main(self.steps, t[i: i + n], all_logits=False)
-            self._commit(t[i: i + n].tolist(), logits[-1])
+            rt.commit_tokens(t[i: i + n], logits[-1])
             hs.append(h)
             i += n
-        # MTP rows for the prompt's pairs (hidden at p, token at p+1)
+        # draft-head rows for the prompt's pairs (hidden at p, token at p+1)
         hid, toks = torch.cat(hs)[:-1], (t if start > 0 else t[1:])
         row0, chunk = (start - 1 if start > 0 else 0), rt.options.prefill_chunk
         for j in range(0, toks.shape[0], chunk):
-            self.rt._drop_anchors_above(row0 + j)
-            EagerSteps.mtp(self.steps, toks[j: j + chunk], hid[j: j + chunk], row0 + j)
+            if row0 + j < rt.position:
+                rt.session.invalidate_from(row0 + j)
+            EagerSteps.draft(self.steps, toks[j: j + chunk], hid[j: j + chunk], row0 + j)
 
     # -- drafting ---------------------------------------------------------------------------
     def _pick(self, logits: torch.Tensor):
@@ -443,29 +275,27 @@ class _Generation:
         q = target_probs(logits, self.temp, self.top_k, self.top_p)
         return int(sample_from(q, self._u())), q
 
-    def _draft_mtp(self, x0: int, k: int):
-        P = self.rt._pos
-        hid = torch.cat(self.bl_h)
-        toks = self.bl_t
+    def _draft_head(self, x0: int, k: int):
+        P = self.rt.position
+        hid, toks = torch.cat(self.bl_h), self.bl_t
         assert self.bl_r0 + len(toks) == P and hid.shape[0] == len(toks)
-        logits, g = self._write_mtp(self._t(toks), hid, self.bl_r0)
+        logits, g = self._draft(self._t(toks), hid, self.bl_r0)
         self.bl_h, self.bl_t = [], []
         d, q = self._pick(logits[-1])
         drafts, qs = [d], [q]
         for j in range(1, k):
-            logits, g = self.steps.mtp(self._t([d]), g[-1:], P - 1 + j)
+            logits, g = self.steps.draft(self._t([d]), g[-1:], P - 1 + j)
             d, q = self._pick(logits[-1])
             drafts.append(d)
             qs.append(q)
         return drafts, (None if self.greedy else torch.stack(qs))
 
     def _draft_injected(self, x0: int, k: int):
-        rt = self.rt
-        rt._spec_pending = x0
+        self.spec.pending = x0
         try:
-            out = self.drafter(rt, k)
+            out = self.drafter(self.rt, k)
         finally:
-            rt._spec_pending = None
+            self.spec.pending = None
         q = None
         if isinstance(out, tuple):
             out, q = out
@@ -495,56 +325,53 @@ class _Generation:
             return k, tgt[k]
         for i, d in enumerate(drafts):
             p = target_probs(L[i], self.temp, self.top_k, self.top_p)
-            dt = self._t(d)
-            if not bool(accept_test(p, q[i], dt, self._u())):
+            if not bool(accept_test(p, q[i], self._t(d), self._u())):
                 return i, int(sample_from(residual(p, q[i]), self._u()))
         return k, int(sample(L[k], self.a["sampler.rng"], self.temp, self.top_k, self.top_p))
 
     # -- one round --------------------------------------------------------------------------
     def _budget(self, emitted: int, max_new: int) -> int:
-        rt, P = self.rt, self.rt._pos
-        every = rt.options.checkpoint_every
+        rt, P = self.rt, self.rt.position
+        every = rt.options.checkpoint_every    # verify never crosses a checkpoint boundary
         return max(0, min(self.k, max_new - emitted, rt.max_seq_len - P - 1, every - P % every - 1))
 
     def _round(self, x0: int, k: int, stops):
         """Verify x0 + up to k drafts; commit. Returns (committed tokens, next token y, stopped)."""
-        rt, P = self.rt, self.rt._pos
-        use_mtp = self.drafter is None
+        rt, P = self.rt, self.rt.position
+        use_head = self.drafter is None
         drafts, q = [], None
         if k > 0:
-            drafts, q = self._draft_mtp(x0, k) if use_mtp else self._draft_injected(x0, k)
+            drafts, q = self._draft_head(x0, k) if use_head else self._draft_injected(x0, k)
         toks = [x0] + drafts
-        consumed = use_mtp and k > 0
-        if not drafts:                       # a plain step (runtime graphs when captured)
-            rt._advance(self._t([x0]), False)
-            H = self.a["mtp.hidden"][None].clone() if self.has_mtp else None
+        consumed = use_head and k > 0
+        if not drafts:                       # a plain step (captured graphs when there are)
+            rt.advance(self._t([x0]))
+            H = self._last_hidden() if self.hidden_name else None
             L = self.a["meta.logits"][None]
-            n_acc = 0
             y = int(L[0].argmax()) if self.greedy else int(
                 sample(L[0], self.a["sampler.rng"], self.temp, self.top_k, self.top_p))
             n = 1
         else:
-            cap = _cache(rt).get("capsule")
-            meta = CapsuleMeta(P, rt.fingerprint, {})
-            _cache(rt)["capsule"] = cap = snapshot_arena(self.a, P, meta, into=cap, fixed_only=True)
+            self.spec.mark = mark = rt.session.mark(into=self.spec.mark)
             H, L = self.steps.main(self._t(toks))
             n_acc, y = self._accept(L, drafts, q)
             n = n_acc + 1
             stop_at = next((i for i, t in enumerate(toks[:n]) if t in stops), None)
             if stop_at is not None:
                 n = stop_at + 1
-            if n < len(toks):                # partial: rewind fixed state, re-prefill
-                rng = self.a["sampler.rng"].clone()
-                restore_arena(self.a, cap, CAPSULE_KINDS)
-                self.a["sampler.rng"].copy_(rng)
+            if n < len(toks):                # partial: rewind the fixed state, re-run
+                rt.session.rewind(mark)
                 H, L = self.steps.main(self._t(toks[:n]), all_logits=False)
                 self.stats["reprefills"] += 1
-            self._commit(toks[:n], L[-1])      # verify: L has n rows; re-prefill: the last
+            rt.commit_tokens(self._t(toks[:n]), L[-1])   # verify: L has n rows; re-run: the last
             self.stats["drafted"] += len(drafts)
             self.stats["accepted"] += n_acc
+            for j in range(len(drafts)):
+                self.stats["by_position"][j][0] += 1
+                self.stats["by_position"][j][1] += int(j < n_acc)
         self.stats["rounds"] += 1
         stopped = any(t in stops for t in toks[:n])
-        if self.has_mtp:
+        if self.hidden_name:
             if consumed:
                 self.bl_h, self.bl_t, self.bl_r0 = [], [], P
             self.bl_h.append(H[:n])
@@ -552,28 +379,26 @@ class _Generation:
         return toks[:n], (None if stopped else y), stopped
 
     def _flush(self):
-        """Write MTP rows for every pair whose token is committed: rows [r0, position - 1)."""
-        if not self.has_mtp or not self.bl_h:
+        """Write draft-head rows for every pair whose token is committed: [r0, position - 1)."""
+        if not self.hidden_name or not self.bl_h:
             return
-        m = min(sum(h.shape[0] for h in self.bl_h), len(self.bl_t), self.rt._pos - 1 - self.bl_r0)
+        m = min(sum(h.shape[0] for h in self.bl_h), len(self.bl_t), self.rt.position - 1 - self.bl_r0)
         if m > 0:
-            hid = torch.cat(self.bl_h)[:m]
-            self._write_mtp(self._t(self.bl_t[:m]), hid, self.bl_r0)
+            self._draft(self._t(self.bl_t[:m]), torch.cat(self.bl_h)[:m], self.bl_r0)
         self.bl_h, self.bl_t = [], []
 
     def run(self, max_new: int, stops) -> list[int]:
-        rt, a = self.rt, self.a
-        out = []
+        rt, out = self.rt, []
         rt.finish_reason = "length"
         if max_new <= 0:
             return out
-        if rt._pos >= rt.max_seq_len:
+        if rt.position >= rt.max_seq_len:
             rt.finish_reason = "max_seq_len"
             return out
-        x0 = int(sample(a["meta.logits"], a["sampler.rng"], self.temp, self.top_k, self.top_p))
+        x0 = int(sample(self.a["meta.logits"], self.a["sampler.rng"], self.temp, self.top_k, self.top_p))
         out.append(x0)
-        if self.has_mtp:
-            self.bl_h, self.bl_t, self.bl_r0 = [a["mtp.hidden"][None].clone()], [x0], rt._pos - 1
+        if self.hidden_name:
+            self.bl_h, self.bl_t, self.bl_r0 = [self._last_hidden()], [x0], rt.position - 1
         pending = x0
         while pending is not None:
             if pending in stops:
@@ -581,8 +406,7 @@ class _Generation:
                 break
             if len(out) >= max_new:
                 break
-            k = self._budget(len(out), max_new)
-            committed, y, stopped = self._round(pending, k, stops)
+            committed, y, stopped = self._round(pending, self._budget(len(out), max_new), stops)
             out += committed[1:]
             pending = None
             if stopped:
@@ -590,15 +414,14 @@ class _Generation:
                 break
             if len(out) >= max_new:          # y is a bonus from p: dropping it is unbiased
                 break
-            if rt._pos >= rt.max_seq_len:
+            if rt.position >= rt.max_seq_len:
                 rt.finish_reason = "max_seq_len"
                 break
-            if self.has_mtp:
+            if self.hidden_name:
                 self.bl_t.append(y)
             out.append(y)
             pending = y
         if pending is not None:              # emitted, not yet committed
-            rt._advance(self._t([pending]), False)
+            rt.advance(self._t([pending]))
         self._flush()
-        rt._spec_stats = dict(self.stats)
         return out

@@ -17,7 +17,7 @@ from torch import nn
 
 from flashrt.arena import BufferSpec
 from flashrt.layers import Linear, QKNormAttention, RMSNorm, Rotary, StepCtx, SwiGLU
-from flashrt.modeling import CausalLM, check, require
+from flashrt.modeling import CausalLM, check, check_rope, require
 
 ATTN, CONV = "full_attention", "conv"
 
@@ -87,13 +87,7 @@ class Lfm2Config:
             check(cfg.get(f, hidden) == hidden, t, f, f"{cfg.get(f)} != hidden_size {hidden}")
         L = cfg.get("conv_L_cache", 3)
         check(isinstance(L, int) and L >= 1, t, "conv_L_cache", f"{L} (must be an int >= 1)")
-        # rope: only default rope; theta from rope_parameters, else rope_theta (default 1e6)
-        rope = cfg.get("rope_parameters") or {}
-        scaling = cfg.get("rope_scaling")
-        check(not scaling or scaling.get("rope_type", scaling.get("type")) == "default", t,
-              "rope_scaling", f"{scaling} (only default rope is implemented)")
-        check(rope.get("rope_type", "default") == "default", t, "rope_parameters.rope_type",
-              f"{rope.get('rope_type')} (only default rope is implemented)")
+        rope = check_rope(cfg, t)
         return cls(
             vocab_size=require(cfg, "vocab_size", t), hidden_size=hidden, intermediate_size=ff,
             num_hidden_layers=n, num_attention_heads=heads, num_key_value_heads=kv,
@@ -187,12 +181,11 @@ class Model(CausalLM):
                                         (c.conv_L_cache - 1, c.hidden_size), dtype))
         return specs
 
-    def forward(self, ids, ctx, state, all_logits=False):
-        x = self.embed_tokens(ids)                               # (T, hidden)
-        cos, sin = self.rotary(ctx.positions, x.dtype)
+    def hidden(self, x, ctx, state, all_positions=False):
+        cos, sin = self.rotary(ctx.positions, x.dtype)           # x: (T, hidden)
         for layer in self.layers:
             x = layer(x, ctx, state, cos, sin)
-        return self.head(self.embedding_norm(x if all_logits else x[-1:]))   # (T or 1, vocab)
+        return self.embedding_norm(x if all_positions else x[-1:])   # (T or 1, hidden)
 
     # ---- weight-name mapping ----------------------------------------------------------
     # the plain Hugging Face layout: CausalLM.map_weight_name

@@ -11,7 +11,7 @@ from torch import nn
 
 from flashrt.arena import BufferSpec
 from flashrt.layers import Linear, QKNormAttention, RMSNorm, Rotary, SwiGLU
-from flashrt.modeling import CausalLM, check, require
+from flashrt.modeling import CausalLM, check, check_rope, require
 
 
 # ---- config -------------------------------------------------------------------------------
@@ -31,12 +31,7 @@ class Qwen3Config:
     @classmethod
     def from_hf(cls, cfg: dict) -> "Qwen3Config":
         t = "qwen3"
-        rope = cfg.get("rope_parameters") or {}
-        scaling = cfg.get("rope_scaling")
-        check(not scaling or scaling.get("rope_type", scaling.get("type")) == "default", t,
-              "rope_scaling", f"{scaling} (only default rope is implemented)")
-        check(rope.get("rope_type", "default") == "default", t, "rope_parameters.rope_type",
-              f"{rope.get('rope_type')} (only default rope is implemented)")
+        rope = check_rope(cfg, t)
         heads = require(cfg, "num_attention_heads", t)
         kv = cfg.get("num_key_value_heads", heads)
         check(heads % kv == 0, t, "num_key_value_heads", f"{heads} heads not divisible by {kv}")
@@ -94,12 +89,11 @@ class Model(CausalLM):
         return [BufferSpec(f"layers.{i}.attn.{kv}", "kv", shape, dtype, seq_dim=0)
                 for i in range(c.num_hidden_layers) for kv in ("k", "v")]
 
-    def forward(self, ids, ctx, state, all_logits=False):
-        x = self.embed_tokens(ids)                               # (T, hidden)
-        cos, sin = self.rotary(ctx.positions, x.dtype)
+    def hidden(self, x, ctx, state, all_positions=False):
+        cos, sin = self.rotary(ctx.positions, x.dtype)           # x: (T, hidden)
         for layer in self.layers:
             x = layer(x, ctx, state, cos, sin)
-        return self.head(self.norm(x if all_logits else x[-1:]))   # (T or 1, vocab)
+        return self.norm(x if all_positions else x[-1:])          # (T or 1, hidden)
 
     # ---- weight-name mapping ----------------------------------------------------------
     # the plain Hugging Face layout: CausalLM.map_weight_name

@@ -23,7 +23,7 @@ from torch import nn
 
 from flashrt.arena import BufferSpec
 from flashrt.layers import (Linear, RMSNorm, Rotary, StepCtx, SwiGLU, apply_rotary,
-                            attend_cached, linear)
+                            attend_cached)
 from flashrt.linear_attn import (causal_conv, chunk_gated_delta_rule, fast_kernels,
                                  recurrent_gated_delta_rule)
 from flashrt.modeling import CausalLM, check, require
@@ -217,6 +217,7 @@ class MTP(nn.Module):
 class Model(CausalLM):
     model_type = "qwen3_5"
     fp32_params = ("linear_attn.A_log", "linear_attn.dt_bias")
+    draft_hidden = "mtp.hidden"     # the buffer the draft head drafts from
 
     def __init__(self, c: Qwen3_5Config):
         super().__init__()
@@ -243,13 +244,13 @@ class Model(CausalLM):
                 specs += [BufferSpec(f"layers.{i}.attn.{n}", "kv", kv_shape, dtype, seq_dim=0)
                           for n in ("k", "v")]
         if self.has_mtp:
-            specs += [BufferSpec(f"mtp.attn.{n}", "mtp", kv_shape, dtype, seq_dim=0) for n in ("k", "v")]
-            specs.append(BufferSpec("mtp.hidden", "mtp", (c.hidden_size,), dtype))
+            # the draft head's KV, and the last main hidden state it drafts from
+            specs += [BufferSpec(f"mtp.attn.{n}", "kv", kv_shape, dtype, seq_dim=0) for n in ("k", "v")]
+            specs.append(BufferSpec("mtp.hidden", "recurrent", (c.hidden_size,), dtype))
         return specs
 
-    def hidden_states(self, ids, ctx, state, all_positions=False):
-        """Advance by T tokens; (T or 1, hidden) after the final norm. Stores mtp.hidden."""
-        x = self.embed_tokens(ids)                               # (T, hidden)
+    def hidden(self, x, ctx, state, all_positions=False):
+        """(T, hidden) embeddings -> (T or 1, hidden) after the final norm. Stores mtp.hidden."""
         cos, sin = self.rotary(ctx.positions, x.dtype)
         for layer in self.layers:
             x = layer(x, ctx, state, cos, sin)
@@ -258,27 +259,26 @@ class Model(CausalLM):
             state["mtp.hidden"].copy_(x[-1])
         return x
 
-    def logits(self, x):
-        head = self.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
-        return linear(x, head, kernel=self.linear_kernel)        # (T, vocab)
+    # ---- the MTP layer as the draft head -------------------------------------------------
+    @property
+    def has_draft_head(self) -> bool:
+        return self.has_mtp
 
-    def forward(self, ids, ctx, state, all_logits=False):
-        return self.logits(self.hidden_states(ids, ctx, state, all_logits))
-
-    def mtp_forward(self, token_ids, hidden, ctx: StepCtx, state):
-        """token_ids (T,) = tokens at p+1, hidden (T, hidden) = main hidden at p, ctx.positions = p.
-        Writes MTP KV rows p; returns (T, vocab) logits for the tokens at p+2."""
+    def draft(self, ids, hidden, ctx: StepCtx, state):
+        """ids (T,) = tokens at p+1, hidden (T, hidden) = main hidden at p, ctx.positions = p.
+        Writes MTP KV rows p; returns ((T, vocab) logits for p+2, (T, hidden) post-norm)."""
         m = self.mtp
-        e = m.pre_fc_norm_embedding(self.embed_tokens(token_ids))
+        e = m.pre_fc_norm_embedding(self.embed_tokens(ids))
         x = m.fc(torch.cat([e, m.pre_fc_norm_hidden(hidden.to(e.dtype))], dim=-1))
         cos, sin = self.rotary(ctx.positions, x.dtype)
-        return self.logits(m.norm(m.layers[0](x, ctx, state, cos, sin)))
+        h = m.norm(m.layers[0](x, ctx, state, cos, sin))
+        return self.head(h), h
 
     # ---- optional MTP weights ---------------------------------------------------------------
     def _mtp_names(self) -> set[str]:
         return {n for n in self.state_dict() if n.startswith("mtp.")}
 
-    def extra_weight_names(self, present):
+    def optional_weights(self, present):
         if self.has_mtp and not any(n.startswith("mtp.") for n in present):
             return self._mtp_names()
         return set()

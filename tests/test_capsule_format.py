@@ -14,7 +14,7 @@ import flashrt
 import flashrt.capsules.format as fmt
 import flashrt.native as fmt_native
 from flashrt.arena import CAPSULE_KINDS
-from flashrt.capsules.capsule import Capsule, CapsuleMeta, Entry, dtype_from_name
+from flashrt.capsules.types import Capsule, CapsuleMeta, Entry, dtype_from_name
 from flashrt.errors import CapsuleCorruptError, CapsuleMismatchError
 
 
@@ -61,13 +61,13 @@ def assert_same(a: Capsule, b: Capsule):
 def saved(tmp_path):
     cap = make_capsule()
     path = tmp_path / "c.capsule"
-    cap.save(path)
+    flashrt.save_capsule(cap, path)
     return cap, path
 
 
 def test_round_trip(saved):
     cap, path = saved
-    back = Capsule.load(path)
+    back = flashrt.load_capsule(path)
     assert_same(cap, back)
     assert torch.equal(cap.data, back.data)     # gaps are zero in both
     assert back.tokens == list(range(100, 105))
@@ -77,8 +77,8 @@ def test_round_trip(saved):
 @pytest.mark.parametrize("position", [0, 1, 37])
 def test_round_trip_positions_and_meta(tmp_path, position):
     cap = make_capsule(position, seed=position, single_use=True, parent="abc")
-    cap.save(tmp_path / "c")
-    back = fmt.load_capsule(tmp_path / "c")
+    flashrt.save_capsule(cap, tmp_path / "c")
+    back = fmt.load(tmp_path / "c")
     assert_same(cap, back)
     assert back.meta.single_use and back.meta.parent == "abc"
 
@@ -91,7 +91,7 @@ def test_readable_by_safetensors(saved):
         for e in cap.entries:
             t = f.get_tensor(e.name)
             assert t.dtype == dtype_from_name(e.dtype) and tuple(t.shape) == e.shape
-    assert md["format"] == "flashrt.capsule" and md["version"] == fmt.VERSION == "2"
+    assert md["format"] == "flashrt.capsule" and md["version"] == fmt.VERSION == "3"
     assert md["hash"] == "xxh3/262144"
     assert md["tokens"] == "[100,101,102,103,104]"
     loaded = safetensors.torch.load_file(str(path))
@@ -112,7 +112,7 @@ def test_header_is_padded_and_entries_contiguous(saved):
 def _expect_corrupt(path, data: bytes, *, match=None):
     path.write_bytes(data)
     with pytest.raises(CapsuleCorruptError, match=match):
-        fmt.load_capsule(path)
+        fmt.load(path)
 
 
 def test_every_flipped_byte_is_detected(saved, tmp_path):
@@ -130,7 +130,7 @@ def test_every_flipped_byte_is_detected(saved, tmp_path):
         for i, mask in positions:
             os.pwrite(fd, bytes([raw[i] ^ mask]), i)
             try:
-                fmt.load_capsule(bad)
+                fmt.load(bad)
             except CapsuleCorruptError:
                 pass
             except Exception as e:    # noqa: BLE001 - the point is naming the wrong type
@@ -140,7 +140,7 @@ def test_every_flipped_byte_is_detected(saved, tmp_path):
             os.pwrite(fd, raw[i:i + 1], i)
     finally:
         os.close(fd)
-    assert_same(cap, fmt.load_capsule(bad))    # the restored file is intact again
+    assert_same(cap, fmt.load(bad))    # the restored file is intact again
 
 
 def test_truncation(saved, tmp_path):
@@ -164,27 +164,29 @@ def test_wrong_magic_and_version(tmp_path, monkeypatch):
     cap = make_capsule()
     with monkeypatch.context() as m:          # a consistent file that differs only in these fields
         m.setattr(fmt, "MAGIC", "someone.else")
-        cap.save(tmp_path / "magic")
-    with monkeypatch.context() as m:
-        m.setattr(fmt, "VERSION", "1")
-        cap.save(tmp_path / "version")
+        flashrt.save_capsule(cap, tmp_path / "magic")
+    for v in ("1", "2"):      # 2: build-dependent weight digests, refused by version
+        with monkeypatch.context() as m:
+            m.setattr(fmt, "VERSION", v)
+            flashrt.save_capsule(cap, tmp_path / f"version{v}")
     with monkeypatch.context() as m:
         m.setattr(fmt, "HASH", "xxh64/65536")
-        cap.save(tmp_path / "hash")
+        flashrt.save_capsule(cap, tmp_path / "hash")
     with pytest.raises(CapsuleCorruptError, match="not a FlashRT capsule.*someone.else"):
-        fmt.load_capsule(tmp_path / "magic")
-    with pytest.raises(CapsuleCorruptError, match="version '1'"):
-        fmt.load_capsule(tmp_path / "version")
+        fmt.load(tmp_path / "magic")
+    for v in ("1", "2"):
+        with pytest.raises(CapsuleCorruptError, match=f"version '{v}' \\(this build reads '3'\\)"):
+            fmt.load(tmp_path / f"version{v}")
     with pytest.raises(CapsuleCorruptError, match="checksum scheme 'xxh64/65536'"):
-        fmt.load_capsule(tmp_path / "hash")
+        fmt.load(tmp_path / "hash")
 
 
 def test_plain_safetensors_and_missing_file(tmp_path):
     safetensors.torch.save_file({"x": torch.ones(3)}, str(tmp_path / "plain"))
     with pytest.raises(CapsuleCorruptError, match="not a FlashRT capsule"):
-        fmt.load_capsule(tmp_path / "plain")
+        fmt.load(tmp_path / "plain")
     with pytest.raises(FileNotFoundError):
-        fmt.load_capsule(tmp_path / "nope")
+        fmt.load(tmp_path / "nope")
 
 
 def test_atomic_save_failure_keeps_old_file(saved, monkeypatch):
@@ -198,22 +200,22 @@ def test_atomic_save_failure_keeps_old_file(saved, monkeypatch):
 
     monkeypatch.setattr(fmt, "_write_all", failing)
     with pytest.raises(OSError, match="simulated"):
-        make_capsule(position=9, seed=3).save(path)
+        flashrt.save_capsule(make_capsule(position=9, seed=3), path)
     assert path.read_bytes() == before
     assert os.listdir(path.parent) == [path.name]       # no temp file left behind
-    assert_same(cap, fmt.load_capsule(path))
+    assert_same(cap, fmt.load(path))
     monkeypatch.setattr(fmt, "_write_all", real)
     new = make_capsule(position=9, seed=3)
-    new.save(path)                                       # and a good save replaces it
-    assert_same(new, fmt.load_capsule(path))
+    flashrt.save_capsule(new, path)                                       # and a good save replaces it
+    assert_same(new, fmt.load(path))
     assert os.listdir(path.parent) == [path.name]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 def test_cuda_capsule(tmp_path):
     cap = make_capsule().to("cuda")
-    cap.save(tmp_path / "c")
-    back = fmt.load_capsule(tmp_path / "c", device="cuda")
+    flashrt.save_capsule(cap, tmp_path / "c")
+    back = fmt.load(tmp_path / "c", device="cuda")
     assert back.device.type == "cuda"
     assert_same(cap.to("cpu"), back.to("cpu"))
 
@@ -231,12 +233,12 @@ def test_real_runtime_save_load_restore(runtime, tmp_path):
     rt = runtime("qwen3")
     rt.prefill([3, 1, 4, 1, 5, 9, 2, 6])
     cap = rt.snapshot()
-    cap.save(tmp_path / "rt.capsule")
+    flashrt.save_capsule(cap, tmp_path / "rt.capsule")
     rt.generate(max_new_tokens=4)
     rt.restore(cap)
     want = _capsule_state(rt)
     want_next = rt.generate(max_new_tokens=4)
-    loaded = Capsule.load(tmp_path / "rt.capsule")
+    loaded = flashrt.load_capsule(tmp_path / "rt.capsule")
     assert_same(cap, loaded)
     rt.restore(loaded)
     assert torch.equal(_capsule_state(rt), want)
@@ -250,32 +252,32 @@ def test_load_into_preallocated(saved, tmp_path):
     target = Capsule(torch.full((cap.data.numel() + 256,), 7, dtype=torch.uint8), [],
                      CapsuleMeta(0, {}, {}))
     ptr = target.data.data_ptr()
-    got = Capsule.load(path, into=target)
+    got = flashrt.load_capsule(path, into=target)
     assert got is target and target.data.data_ptr() == ptr
     assert_same(cap, target)
     assert torch.equal(target.data[: cap.data.numel()], cap.data)    # gaps zeroed as well
     small = Capsule(torch.empty(cap.data.numel() // 2, dtype=torch.uint8), [], CapsuleMeta(0, {}, {}))
     with pytest.raises(fmt.CapsuleMismatchError, match="needs"):
-        Capsule.load(path, into=small)
+        flashrt.load_capsule(path, into=small)
     raw = bytearray(path.read_bytes())
     raw[-3] ^= 0x40                                                  # payload damage
     bad = tmp_path / "bad.capsule"
     bad.write_bytes(bytes(raw))
     with pytest.raises(CapsuleCorruptError, match="checksum"):
-        Capsule.load(bad, into=target)
+        flashrt.load_capsule(bad, into=target)
     assert target.entries == () and target.meta.fingerprint == {}
     with pytest.raises(CapsuleCorruptError, match="truncated"):
         (tmp_path / "short.capsule").write_bytes(path.read_bytes()[:-9])
-        Capsule.load(tmp_path / "short.capsule", into=target)
-    assert Capsule.load(path, into=target) is target                 # reusable after a refusal
+        flashrt.load_capsule(tmp_path / "short.capsule", into=target)
+    assert flashrt.load_capsule(path, into=target) is target                 # reusable after a refusal
     assert_same(cap, target)
     # one target, files with other tables and with the same table in turn: the table parsed
     # for the previous file is reused only when the file's is the same
     other, same_table = make_capsule(position=3, seed=5), make_capsule(seed=9)
-    other.save(tmp_path / "other.capsule")
-    same_table.save(tmp_path / "same.capsule")
+    flashrt.save_capsule(other, tmp_path / "other.capsule")
+    flashrt.save_capsule(same_table, tmp_path / "same.capsule")
     for want, p in [(other, "other"), (cap, "c"), (same_table, "same"), (other, "other")]:
-        got = Capsule.load(tmp_path / f"{p}.capsule", into=target)
+        got = flashrt.load_capsule(tmp_path / f"{p}.capsule", into=target)
         assert_same(want, got)
         assert got.nbytes == want.nbytes and got.kinds == want.kinds
 
@@ -284,16 +286,16 @@ def test_real_runtime_load_into(runtime, ckpt, tmp_path):
     rt = runtime("qwen3")
     rt.prefill([3, 1, 4, 1, 5, 9, 2, 6])
     cap = rt.snapshot()
-    cap.save(tmp_path / "rt.capsule")
+    flashrt.save_capsule(cap, tmp_path / "rt.capsule")
     want = rt.generate(max_new_tokens=4)
     target = rt.empty_capsule()
-    rt.restore(Capsule.load(tmp_path / "rt.capsule", into=target))
+    rt.restore(flashrt.load_capsule(tmp_path / "rt.capsule", into=target))
     assert rt.generate(max_new_tokens=4) == want
     # a refused load empties the target; the session can still snapshot into it
     raw = (tmp_path / "rt.capsule").read_bytes()
     (tmp_path / "bad.capsule").write_bytes(raw[:-1] + bytes([raw[-1] ^ 1]))
     with pytest.raises(CapsuleCorruptError):
-        Capsule.load(tmp_path / "bad.capsule", into=target)
+        flashrt.load_capsule(tmp_path / "bad.capsule", into=target)
     assert not target.entries
     assert rt.snapshot(into=target) is target and target.position == rt.position
     other = flashrt.load(ckpt("qwen3", seed=1), dtype="float32", max_seq_len=64)   # other weights
@@ -307,12 +309,12 @@ def test_save_after_snapshot_into_at_another_position(runtime, tmp_path):
     rt = runtime("qwen3")
     target = rt.empty_capsule()
     rt.prefill([3, 1, 4, 1, 5, 9, 2, 6])
-    rt.snapshot(into=target).save(tmp_path / "a.capsule")
-    first = Capsule.load(tmp_path / "a.capsule")
+    flashrt.save_capsule(rt.snapshot(into=target), tmp_path / "a.capsule")
+    first = flashrt.load_capsule(tmp_path / "a.capsule")
     rt.prefill([5, 3, 5])
     fresh = rt.snapshot()
-    rt.snapshot(into=target).save(tmp_path / "b.capsule")
-    loaded = Capsule.load(tmp_path / "b.capsule")
+    flashrt.save_capsule(rt.snapshot(into=target), tmp_path / "b.capsule")
+    loaded = flashrt.load_capsule(tmp_path / "b.capsule")
     assert_same(target, loaded)
     assert loaded.entries == fresh.entries and torch.equal(_capsule_state_of(fresh), _capsule_state_of(loaded))
     assert first.position == 8 and fresh.position == 11
@@ -355,9 +357,9 @@ def _holding_target(tmp_path):
     """(capsule, its file, a target that loaded the file once and so holds its table)."""
     cap = ascii_capsule()
     path = tmp_path / "c.capsule"
-    cap.save(path)
+    flashrt.save_capsule(cap, path)
     target = _target(cap)
-    Capsule.load(path, into=target)
+    flashrt.load_capsule(path, into=target)
     return cap, path, target
 
 
@@ -369,13 +371,13 @@ def test_load_into_same_table_takes_the_native_path(tmp_path, fast_statuses):
     tricky = {"s": 'quote " backslash \\ slash / \n\t\r\b\f \x01 end', "k": [1, 2.5, None]}
     caps = [ascii_capsule(), ascii_capsule(seed=3, extra=tricky), ascii_capsule(seed=4)]
     for i, c in enumerate(caps):
-        c.save(tmp_path / f"{i}.capsule")
+        flashrt.save_capsule(c, tmp_path / f"{i}.capsule")
     target = _target(caps[0])
     for i, c in enumerate(caps):
-        got = Capsule.load(tmp_path / f"{i}.capsule", into=target)
+        got = flashrt.load_capsule(tmp_path / f"{i}.capsule", into=target)
         assert got is target
         assert_same(c, got)
-        assert_same(Capsule.load(tmp_path / f"{i}.capsule"), got)      # the general reader agrees
+        assert_same(flashrt.load_capsule(tmp_path / f"{i}.capsule"), got)      # the general reader agrees
         assert torch.equal(got.data[: c.data.numel()], c.data)          # gaps zeroed
     assert fast_statuses == ["loaded", "loaded"]    # the first load parsed the table in Python
     # The same file with an escape save never writes: valid JSON, and a valid checksum, that the
@@ -383,9 +385,9 @@ def test_load_into_same_table_takes_the_native_path(tmp_path, fast_statuses):
     raw = _with_header_replaced((tmp_path / "1.capsule").read_bytes(), b'"hash":"xxh3/',
                                 b'"hash":"\\u0078xh3/')
     (tmp_path / "escaped.capsule").write_bytes(raw)
-    assert_same(caps[1], Capsule.load(tmp_path / "escaped.capsule", into=target))
+    assert_same(caps[1], flashrt.load_capsule(tmp_path / "escaped.capsule", into=target))
     assert fast_statuses[-1] == "not_fast"
-    assert_same(caps[2], Capsule.load(tmp_path / "2.capsule", into=target))
+    assert_same(caps[2], flashrt.load_capsule(tmp_path / "2.capsule", into=target))
     assert fast_statuses[-1] == "loaded"
 
 
@@ -411,7 +413,7 @@ def test_overlapping_entries_are_refused_with_a_valid_checksum(tmp_path):
     tables are memoized per entries text; the memo shares, and never changes, a table."""
     cap = ascii_capsule()
     path = tmp_path / "c.cap"
-    cap.save(path)
+    flashrt.save_capsule(cap, path)
     e0, e1 = cap.entries[0], cap.entries[1]
 
     def row(e, offset):   # the entry's row as it sits in the header (a JSON string in JSON)
@@ -419,13 +421,13 @@ def test_overlapping_entries_are_refused_with_a_valid_checksum(tmp_path):
                        separators=(",", ":"))
         return json.dumps(r)[1:-1].encode()
 
-    good = Capsule.load(path)
-    assert Capsule.load(path).entries is good.entries               # one parsed table
+    good = flashrt.load_capsule(path)
+    assert flashrt.load_capsule(path).entries is good.entries               # one parsed table
     with pytest.raises(ValueError):
-        good._file_table.offsets[0] = 1                              # shared: read-only
+        good.file_cache["table"].offsets[0] = 1                              # shared: read-only
     path.write_bytes(_with_header_replaced(path.read_bytes(), row(e1, e1.offset), row(e1, e0.offset)))
     with pytest.raises(CapsuleCorruptError, match="c.cap: entry offsets overlap"):
-        Capsule.load(path)
+        flashrt.load_capsule(path)
 
 
 @needs_ext
@@ -443,17 +445,17 @@ def test_native_path_detects_every_flipped_byte(tmp_path, fast_statuses):
         for i, mask in positions:
             os.pwrite(fd, bytes([raw[i] ^ mask]), i)
             with pytest.raises(CapsuleCorruptError):
-                Capsule.load(path, into=target)
+                flashrt.load_capsule(path, into=target)
             assert target.entries in ((), cap.entries), i
             if target.entries:
                 assert_same(cap, target)
             os.pwrite(fd, raw[i:i + 1], i)
             if not target.entries:
-                Capsule.load(path, into=target)      # holds the file again for the next flip
+                flashrt.load_capsule(path, into=target)      # holds the file again for the next flip
     finally:
         os.close(fd)
     assert {"mismatch", "not_fast"} <= set(fast_statuses)   # both refusal routes were taken
-    assert_same(cap, Capsule.load(path, into=target))
+    assert_same(cap, flashrt.load_capsule(path, into=target))
     assert fast_statuses[-1] == "loaded"
 
 
@@ -469,14 +471,14 @@ def test_native_path_refusals_name_the_problem(tmp_path, monkeypatch, fast_statu
                         (raw[:hlen], "data region"), (b"", "header length")]:
         bad.write_bytes(data)
         with pytest.raises(CapsuleCorruptError, match=match):
-            Capsule.load(bad, into=target)
+            flashrt.load_capsule(bad, into=target)
     with monkeypatch.context() as m:      # consistent files that differ in format fields only
-        m.setattr(fmt, "VERSION", "3")
-        cap.save(tmp_path / "v3")
+        m.setattr(fmt, "VERSION", "4")
+        flashrt.save_capsule(cap, tmp_path / "v3")
     target = _target(cap)
-    Capsule.load(path, into=target)
-    with pytest.raises(CapsuleCorruptError, match="version '3'"):
-        Capsule.load(tmp_path / "v3", into=target)
+    flashrt.load_capsule(path, into=target)
+    with pytest.raises(CapsuleCorruptError, match="version '4'"):
+        flashrt.load_capsule(tmp_path / "v3", into=target)
     assert_same(cap, target)              # refused on its header: untouched
     assert fast_statuses[-1] == "not_fast"
 
@@ -485,9 +487,9 @@ def test_native_path_refusals_name_the_problem(tmp_path, monkeypatch, fast_statu
 def test_native_path_reads_a_header_longer_than_its_first_read(tmp_path, fast_statuses):
     cap = ascii_capsule(position=5000)    # the token history alone is ~25 KB of header
     path = tmp_path / "long.capsule"
-    cap.save(path)
+    flashrt.save_capsule(cap, path)
     assert struct.unpack("<Q", path.read_bytes()[:8])[0] > 16 << 10
     target = _target(cap)
-    Capsule.load(path, into=target)
-    assert_same(cap, Capsule.load(path, into=target))
+    flashrt.load_capsule(path, into=target)
+    assert_same(cap, flashrt.load_capsule(path, into=target))
     assert fast_statuses == ["loaded"]

@@ -168,25 +168,38 @@ def test_rollback_after_restore_uses_capsule(runtime):
     assert torch.equal(rt.arena["meta.logits"], fresh.arena["meta.logits"])
 
 
-def test_session_does_not_keep_dropped_capsules(runtime):
-    """Anchors (delta parents, rollback sources) are weak: a capsule the caller dropped, or
-    the one fork() made of the live state, is freed at once; a held one still serves rollback."""
+def test_anchors_are_strong_and_bounded(runtime):
+    """Rollback sources never depend on garbage collection: a capsule of this history serves
+    rollback whether or not the caller still holds it (with gc forced or disabled alike), and
+    the session keeps at most MAX_ANCHORS of them, oldest dropped first."""
+    from flashrt.session import MAX_ANCHORS
     arch = "qwen3_5" if "qwen3_5" in ARCHS else "qwen3"
-    rt = runtime(arch, checkpoint_every=1000)
     h = _ids(24, 17)
-    rt.prefill(h[:16])
-    cap = rt.snapshot()
-    gone = weakref.ref(rt.snapshot())
+    results = []
+    for mode in ("collect", "disabled"):
+        rt = runtime(arch, checkpoint_every=1000)
+        rt.prefill(h[:16])
+        rt.snapshot()                      # dropped at once by the caller
+        gc.collect() if mode == "collect" else gc.disable()
+        try:
+            rt.prefill(h[16:])
+            rt.rollback(16)                # the dropped capsule is still the source
+            results.append(state_bytes(rt))
+        finally:
+            gc.enable()
+    assert torch.equal(results[0], results[1])
+    ref = runtime(arch)
+    ref.prefill(h[:16])
+    assert torch.equal(results[0], state_bytes(ref))     # restored, not re-run: bitwise
+    rt = runtime(arch, checkpoint_every=1000)
+    rt.prefill(h[:4])
+    first = weakref.ref(rt.snapshot())
+    for _ in range(MAX_ANCHORS - 1):
+        rt.snapshot()
+    assert first() is not None and len(rt.session.anchors()) == MAX_ANCHORS
+    rt.snapshot()
     gc.collect()
-    assert gone() is None
-    child = rt.fork()                  # snapshots the live state for the child
-    gc.collect()
-    made_for_fork = rt._anchors[-1][0]
-    assert made_for_fork() is None and rt._anchors[-2][0]() is None
-    assert torch.equal(state_bytes(child), state_bytes(rt))
-    rt.prefill(h[16:])
-    rt.rollback(16)                    # the held capsule is the source (no checkpoint below 1000)
-    assert torch.equal(state_bytes(rt), state_bytes(runtime(arch).fork(cap)))
+    assert first() is None and len(rt.session.anchors()) == MAX_ANCHORS
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -214,7 +227,7 @@ def test_fixed_state_and_token_history_copy_as_one_range(arch, runtime):
     """The token history follows the fixed state in the arena and, at the same distance, in the
     capsule: snapshot and restore copy both as one range (plus one per per-token buffer), and
     the padding between them, which no view covers, travels without touching any buffer."""
-    from flashrt.capsules.capsule import copy_pairs
+    from flashrt.capsules.copy import copy_pairs
     rt = runtime(arch)
     a = rt.arena
     assert a.after_fixed == "meta.tokens"
@@ -415,8 +428,8 @@ def test_shared_prefix_capsule(arch, runtime, tmp_path):
     third.restore(grand)
     assert torch.equal(_decode_logits(third, cont), want)
     # persisted delta: refused until its parent is attached, then bitwise
-    child.save(tmp_path / "c.cap")
-    loaded = flashrt.Capsule.load(tmp_path / "c.cap")
+    flashrt.save_capsule(child, tmp_path / "c.cap")
+    loaded = flashrt.load_capsule(tmp_path / "c.cap")
     with pytest.raises(flashrt.CapsuleMismatchError, match="needs its parent"):
         third.restore(loaded)
     loaded.parent_capsule = parent

@@ -61,7 +61,7 @@ def test_device_host_capsules(arch, ckpt, tmp_path):
     for c in (back, host):
         rt.restore(c)
         assert torch.equal(torch.stack([rt.decode(t) for t in cont]), want)
-    cap.save(tmp_path / "c.cap")                # made on CUDA, restored on CPU: provenance only
+    flashrt.save_capsule(cap, tmp_path / "c.cap")                # made on CUDA, restored on CPU: provenance only
     cpu_rt = flashrt.load(ckpt(arch), dtype="float32", max_seq_len=256)
-    cpu_rt.restore(flashrt.Capsule.load(tmp_path / "c.cap"))
+    cpu_rt.restore(flashrt.load_capsule(tmp_path / "c.cap"))
     assert cpu_rt.tokens == rt.tokens[:33]

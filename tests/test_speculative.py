@@ -6,6 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+import flashrt
+from flashrt import acceptance as acc
 from flashrt import speculative as spec
 from flashrt.layers import StepCtx
 from flashrt.sampler import sample
@@ -85,9 +87,9 @@ def _check_state(rt, fresh):
             ids = torch.tensor(toks)
             scratch = fresh.fork()
             scratch.reset()
-            hid = net.hidden_states(ids, StepCtx(P, torch.arange(P), start=0), scratch.arena,
+            hid = net.hidden(net.embed(ids), StepCtx(P, torch.arange(P), start=0), scratch.arena,
                                     all_positions=True)
-            net.mtp_forward(ids[1:], hid[:-1], StepCtx(P - 1, torch.arange(P - 1), start=0), scratch.arena)
+            net.draft(ids[1:], hid[:-1], StepCtx(P - 1, torch.arange(P - 1), start=0), scratch.arena)[0]
         for name in ("mtp.attn.k", "mtp.attn.v"):
             d = (rt.arena[name][: P - 1] - scratch.arena[name][: P - 1]).abs().max()
             assert d <= 1e-4, f"{name} rows [0, {P - 1}) differ by {d:.3g}"
@@ -115,7 +117,7 @@ def _synthetic(n=40000, seed=0):
     g = torch.Generator().manual_seed(seed)
     p = torch.tensor([0.30, 0.20, 0.15, 0.10, 0.10, 0.08, 0.07, 0.00], dtype=torch.float64)
     q = torch.tensor([0.05, 0.30, 0.05, 0.25, 0.05, 0.05, 0.05, 0.20], dtype=torch.float64)
-    d = spec.sample_from(q.expand(n, -1), torch.rand(n, generator=g, dtype=torch.float64))
+    d = acc.sample_from(q.expand(n, -1), torch.rand(n, generator=g, dtype=torch.float64))
     u1 = torch.rand(n, generator=g, dtype=torch.float64)
     u2 = torch.rand(n, generator=g, dtype=torch.float64)
     return p, q, d, u1, u2
@@ -125,18 +127,18 @@ def test_acceptance_rule_emits_p_and_wrong_rules_fail():
     p, q, d, u1, u2 = _synthetic()
     P, Q = p.expand(d.shape[0], -1), q.expand(d.shape[0], -1)
     assert _chi2(d, q) < CHI2_LIMIT                          # the drafts really follow q
-    ok, tok = spec.accept_draft(P, Q, d, u1, u2)
+    ok, tok = acc.accept_draft(P, Q, d, u1, u2)
     assert _chi2(tok, p) < CHI2_LIMIT
     expect_rate = float(torch.minimum(p, q).sum())           # P(accept) = sum min(p, q)
     assert abs(ok.double().mean().item() - expect_rate) < 0.01
     # wrong rule 1: always accept the draft (emits q)
     assert _chi2_or_inf(d, p) > 10 * CHI2_LIMIT
     # wrong rule 2: on rejection resample from p instead of the residual
-    wrong = torch.where(ok, d, spec.sample_from(P, u2))
+    wrong = torch.where(ok, d, acc.sample_from(P, u2))
     assert _chi2_or_inf(wrong, p) > 10 * CHI2_LIMIT
     # wrong rule 3: accept with probability p(d) (no division by q)
     acc3 = u1 < P.gather(-1, d[:, None])[:, 0]
-    wrong3 = torch.where(acc3, d, spec.sample_from(spec.residual(P, Q), u2))
+    wrong3 = torch.where(acc3, d, acc.sample_from(acc.residual(P, Q), u2))
     assert _chi2_or_inf(wrong3, p) > 10 * CHI2_LIMIT
 
 
@@ -157,11 +159,11 @@ def test_two_position_chain_matches_joint():
     q1 = torch.softmax(torch.randn(V, generator=g, dtype=torch.float64), -1)
     q2 = torch.softmax(torch.randn(V, V, generator=g, dtype=torch.float64), -1)
     u = torch.rand(6, n, generator=g, dtype=torch.float64)
-    d1 = spec.sample_from(q1.expand(n, -1), u[0])
-    d2 = spec.sample_from(q2[d1], u[1])
-    ok1, t1 = spec.accept_draft(p1.expand(n, -1), q1.expand(n, -1), d1, u[2], u[3])
-    ok2, t2_spec = spec.accept_draft(p2[d1], q2[d1], d2, u[4], u[5])
-    t2_next_round = spec.sample_from(p2[t1], u[5])      # rejected at 1: t2 comes from a new round
+    d1 = acc.sample_from(q1.expand(n, -1), u[0])
+    d2 = acc.sample_from(q2[d1], u[1])
+    ok1, t1 = acc.accept_draft(p1.expand(n, -1), q1.expand(n, -1), d1, u[2], u[3])
+    ok2, t2_spec = acc.accept_draft(p2[d1], q2[d1], d2, u[4], u[5])
+    t2_next_round = acc.sample_from(p2[t1], u[5])      # rejected at 1: t2 comes from a new round
     t2 = torch.where(ok1, t2_spec, t2_next_round)
     joint = (p1[:, None] * p2).reshape(-1)
     assert _chi2(t1 * V + t2, joint) < 80.0             # 35 dof: P(chi2 > 80) ~ 1e-5
@@ -170,23 +172,13 @@ def test_two_position_chain_matches_joint():
 def test_target_probs_is_the_samplers_distribution():
     logits = torch.tensor([2.0, 1.5, 1.5, 0.3, -1.0, 0.9, 1.1, -0.2])
     for temp, k, top_p in [(0.7, 0, 1.0), (1.0, 5, 1.0), (0.9, 0, 0.8), (1.3, 4, 0.7)]:
-        p = spec.target_probs(logits, temp, k, top_p)
+        p = acc.target_probs(logits, temp, k, top_p)
         assert abs(float(p.sum()) - 1) < 1e-12
         rng = torch.tensor([123, 0])
         toks = torch.tensor([int(sample(logits, rng, temp, k, top_p)) for _ in range(1000)])
         assert _chi2(toks, p) < 40.0
-    greedy = spec.target_probs(logits, 0.0)
+    greedy = acc.target_probs(logits, 0.0)
     assert torch.equal(greedy, torch.nn.functional.one_hot(torch.tensor(0), 8).double())
-
-
-def test_mtp_step_matches_mtp_forward(runtime):
-    rt = runtime(ARCH)
-    net, a = rt.net, rt.arena
-    toks, hid = torch.tensor(_ids(5, seed=2)), torch.randn(5, net.config.hidden_size)
-    with torch.no_grad():
-        ref = net.mtp_forward(toks, hid, StepCtx(5, torch.arange(3, 8), start=3), a)
-        got, h = spec.mtp_step(net, toks, hid, StepCtx(5, torch.arange(3, 8), start=3), a)
-    assert torch.equal(ref, got) and h.shape == hid.shape
 
 
 # ---- greedy identity ------------------------------------------------------------------------
@@ -199,7 +191,7 @@ def test_mtp_greedy_equals_plain(layout, k, runtime, plain_ref):
     assert len(out) == N and rt.finish_reason == "length"
     assert rt.tokens == prompt + out
     _first_divergence(out, ref_toks, ref_logits)
-    st = rt._spec_stats
+    st = rt.speculation().stats
     assert st["drafted"] > 0 and st["rounds"] <= N
     # a second call continues the same session (MTP backlog flushed in between)
     more = rt.generate(max_new_tokens=6, ignore_eos=True, speculative="mtp", draft_tokens=k)
@@ -239,7 +231,7 @@ def test_every_accepted_length(layout, runtime, plain_ref):
         if _first_divergence(out, ref_toks, ref_logits) is not None:
             continue                        # a near-tie: the oracle is off-history from here
         assert out == ref_toks[:N]
-        st = rt._spec_stats
+        st = rt.speculation().stats
         want = sum(c if err_at is None else min(err_at, c) for c in calls)
         assert st["accepted"] == want, (err_at, st, calls)
         if err_at is None:
@@ -255,7 +247,7 @@ def test_mtp_rows_after_accepted_mtp_drafts(layout, runtime, plain_ref):
     write of accepted rows), and accepted lengths 0..k all occur. The MTP rows [0, P-1) must end
     up what a one-shot MTP pass over the history writes."""
     prompt, ref_toks, ref_logits = plain_ref(layout)
-    k, orig = 3, spec._Generation._draft_mtp
+    k, orig = 3, spec._Generation._draft_head
 
     for err_at in [0, 1, 2, None]:
         def draft(self, x0, kk):
@@ -265,17 +257,17 @@ def test_mtp_rows_after_accepted_mtp_drafts(layout, runtime, plain_ref):
                 want[err_at] = (want[err_at] + 1) % 512
             self._pick = lambda logits: (want.pop(0), None)
             return orig(self, x0, kk)
-        spec._Generation._draft_mtp = draft
+        spec._Generation._draft_head = draft
         try:
             rt = runtime(ARCH, **_kw(layout))
             out = rt.generate(prompt, max_new_tokens=N, ignore_eos=True, speculative="mtp",
                               draft_tokens=k)
         finally:
-            spec._Generation._draft_mtp = orig
+            spec._Generation._draft_head = orig
         assert rt.tokens == prompt + out
         if _first_divergence(out, ref_toks, ref_logits) is None:
             assert out == ref_toks[:N]
-            assert rt._spec_stats["accepted"] > 0 or err_at == 0
+            assert rt.speculation().stats["accepted"] > 0 or err_at == 0
         _check_state(rt, runtime(ARCH, **_kw(layout)))
 
 
@@ -301,7 +293,7 @@ def test_mtp_drafts_are_the_chained_mtp_steps(runtime):
         for j in range(3):
             row = P - 1 + j
             ctx = StepCtx(1, torch.tensor([row]), start=row)
-            logits, h = spec.mtp_step(net, torch.tensor([tok]), h, ctx, a)
+            logits, h = net.draft(torch.tensor([tok]), h, ctx, a)
             assert (logits[-1] - seen[j]).abs().max() <= 1e-5
             tok = int(logits[-1].argmax())
 
@@ -324,7 +316,7 @@ def test_rng_stream_advances_by_the_draws_made(runtime, monkeypatch):
     rt = runtime(ARCH)
     rt.generate(_ids(PROMPT, seed=9), max_new_tokens=12, temperature=1.0, seed=4, ignore_eos=True,
                 speculative="mtp", draft_tokens=3)
-    assert rt._spec_stats["reprefills"] > 0
+    assert rt.speculation().stats["reprefills"] > 0
     assert int(rt.arena["sampler.rng"][1]) == draws[0]
 
 
@@ -373,7 +365,7 @@ def test_max_seq_len_and_checkpoint_boundaries(runtime, plain_ref):
     out = rt.generate(prompt, max_new_tokens=100, ignore_eos=True, speculative="mtp", draft_tokens=3,
                       drafter=_oracle(prompt, ref_toks))
     assert len(out) == 20 and rt.finish_reason == "max_seq_len" and rt.tokens == prompt + out
-    assert [c.position for c in rt._checkpoints] == [8, 16, 24, 32]
+    assert rt.session.checkpoint_positions() == [8, 16, 24, 32]
     back = rt.tokens[:PROMPT + 5]
     rt.rollback(PROMPT + 5)
     fresh = runtime(ARCH, max_seq_len=PROMPT + 20)
@@ -398,12 +390,12 @@ def test_capsule_between_speculative_calls_continues_identically(temperature, ru
     kw = dict(temperature=temperature, ignore_eos=True, speculative="mtp", draft_tokens=3)
     rt.generate(prompt, max_new_tokens=9, seed=11, **kw)
     cap = rt.snapshot()
-    cap.save(tmp_path / "mid.cap")
+    flashrt.save_capsule(cap, tmp_path / "mid.cap")
     a = rt.generate(max_new_tokens=15, **kw)
     fork = rt.fork(cap)
     b = fork.generate(max_new_tokens=15, **kw)
     other = runtime(ARCH)
-    other.restore(type(cap).load(tmp_path / "mid.cap"))
+    other.restore(flashrt.load_capsule(tmp_path / "mid.cap"))
     c = other.generate(max_new_tokens=15, **kw)
     assert a == b == c and len(a) == 15
     assert torch.equal(rt.arena["sampler.rng"], fork.arena["sampler.rng"])
@@ -437,7 +429,7 @@ def test_static_bodies_match_eager(runtime, plain_ref):
             rt.arena[s.name].fill_(float("nan"))
     steps = spec.use_static_steps(rt, max_T=4)
     out = rt.generate(prompt, max_new_tokens=16, ignore_eos=True, speculative="mtp", draft_tokens=3)
-    assert spec._cache(rt)["steps"] is steps
+    assert rt.speculation().steps is steps
     _first_divergence(out, ref_toks, ref_logits)
     _check_state(rt, runtime(ARCH))
 

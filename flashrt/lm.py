@@ -1,0 +1,348 @@
+"""The language-model layer: token ids (or embeddings) in, sampled tokens out, over a Session.
+
+It owns what a session does not know: the token history, the last logits, the sampler's RNG
+stream, the io buffers of the captured step, and multimodal embedding segments.
+"""
+from __future__ import annotations
+
+import threading
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+from flashrt.arena import BufferSpec
+from flashrt.capsules.types import Capsule
+from flashrt.errors import CapsuleError
+from flashrt.graphs import CapturedBodies, power_of_two_sizes
+from flashrt.inputs import context_ids, embeds_ids, token_ids
+from flashrt.loader import LoadedModel
+from flashrt.sampler import sample, seed_rng, validate
+from flashrt.session import Session, SessionOptions
+
+
+@dataclass
+class Options:
+    max_seq_len: int = 4096
+    prefill_chunk: int = 2048         # tokens per eager prefill step (fewer weight passes)
+    checkpoint_every: int = 1024      # rollback checkpoints at multiples of this position
+    max_checkpoints: int = 16         # memory bound: oldest dropped first
+    cuda_graphs: bool = True
+    graph_max_tokens: int = 64        # steps up to this many tokens replay graphs; longer run eagerly
+    seed: int = 0
+
+
+def lm_specs(o: Options, vocab: int) -> list[BufferSpec]:
+    return [
+        BufferSpec("meta.logits", "meta", (vocab,), torch.float32),     # after the last position
+        BufferSpec("meta.tokens", "meta", (o.max_seq_len,), torch.int64, seq_dim=0),
+        BufferSpec("sampler.rng", "rng", (2,), torch.int64),            # [seed, counter]
+        BufferSpec("io.ids", "io", (o.prefill_chunk,), torch.int64),
+    ]
+
+
+class LanguageModel:
+    """A causal LM session (batch 1). Parallel branches are forks over the same weights."""
+
+    def __init__(self, model: LoadedModel, options: Options, pool=None):
+        self.model, self.options, self._pool = model, options, pool
+        self.net = model.net
+        sopts = SessionOptions(options.max_seq_len, options.prefill_chunk, options.checkpoint_every,
+                               options.max_checkpoints)
+        self.session = Session(self.net, lm_specs(options, self.net.vocab_size), model.device,
+                               model.dtype, model.fingerprint, sopts, {"linear": model.linear_kernel})
+        self.arena = self.session.arena
+        seed_rng(self.arena["sampler.rng"], options.seed)
+        self._lock = threading.RLock()
+        self.embeds = {}                  # embedding segments by digest base: re-run on rollback
+        self.finish_reason = None
+        self.last_reused = 0              # positions set_context took over instead of re-running
+        self.speculator = None            # flashrt.speculative state, made on first use
+        self.graphs = None
+        if options.cuda_graphs and model.device.type == "cuda":
+            self.graph_sizes = power_of_two_sizes(min(options.graph_max_tokens, options.prefill_chunk))
+            self.graphs = CapturedBodies()
+            self.graphs.capture({T: (lambda T=T: self._static_step(T)) for T in self.graph_sizes},
+                                lambda fn: self.session.preserving_state(fn, self.graph_sizes[-1]))
+
+    # ---- properties -------------------------------------------------------------------
+    position = property(lambda self: self.session.position)
+    max_seq_len = property(lambda self: self.options.max_seq_len)
+    fingerprint = property(lambda self: self.session.fingerprint)
+    tokenizer = property(lambda self: self.model.tokenizer)
+
+    @property
+    def tokens(self) -> list[int]:
+        """The history: token ids, and negative ids for embedding positions (see inputs.py)."""
+        with self._lock:
+            return self.arena["meta.tokens"][: self.position].tolist()
+
+    def layout(self) -> str:
+        return self.arena.table()
+
+    # ---- steps ------------------------------------------------------------------------
+    def _static_step(self, T: int):
+        """The captured body: ids from io.ids, positions from meta.position."""
+        a = self.arena
+        ctx = self.session.static_ctx(T)
+        ids = a["io.ids"][:T]
+        out = self.net({"ids": ids}, ctx, a)
+        self._record(ids, ctx.positions, out["logits"][-1])
+
+    def graph_body_step(self, ids: torch.Tensor) -> None:
+        """Run the captured step's body eagerly for len(ids) tokens and commit them: what a
+        CUDA graph records (device positions, full-capacity masked attention), testable on CPU."""
+        with self._lock, torch.no_grad():
+            self.arena["io.ids"][: ids.shape[0]].copy_(ids)
+            self._static_step(ids.shape[0])
+            self.session.commit(ids.shape[0])
+
+    def _record(self, ids, positions, last_logits) -> None:
+        self.arena["meta.logits"].copy_(last_logits)
+        self.arena["meta.tokens"].index_copy_(0, positions, ids)
+
+    def forward(self, ids: torch.Tensor | None = None, embeds: torch.Tensor | None = None,
+                hist: torch.Tensor | None = None, all_positions: bool = False, commit: bool = True):
+        """One eager step at the session's position; returns the model's outputs dict.
+        hist: history ids to record (embeds: their content ids). commit=False: a verify step
+        whose positions the caller commits (commit_tokens) or rewinds."""
+        inputs = {"ids": ids} if embeds is None else {"embeds": embeds.to(self.model.dtype)}
+        rec = ids if hist is None else hist
+
+        def body(ctx):
+            out = self.net(inputs, ctx, self.arena, all_positions=all_positions)
+            if commit:
+                self._record(rec, ctx.positions, out["logits"][-1])
+            return out
+        return self.session.step(rec.shape[0], body, commit=commit)
+
+    def commit_tokens(self, ids: torch.Tensor, last_logits: torch.Tensor) -> None:
+        """Commit positions a forward(commit=False) step ran: history, last logits, position."""
+        P = self.position
+        self._record(ids, torch.arange(P, P + ids.shape[0], device=ids.device), last_logits)
+        self.session.commit(ids.shape[0])
+
+    def _step_ids(self, ids: torch.Tensor, all_logits: bool):
+        T = ids.shape[0]
+        if self.graphs is not None and not all_logits and T <= self.graph_sizes[-1]:
+            io, i = self.arena["io.ids"], 0
+            for size in reversed(self.graph_sizes):    # a sum of captured sizes, largest first
+                while T - i >= size:
+                    io[:size].copy_(ids[i: i + size])
+                    self.graphs.replay(size)
+                    self.session.commit(size)
+                    i += size
+            return None
+        return self.forward(ids, all_positions=all_logits)["logits"]
+
+    def advance(self, hist: torch.Tensor, all_logits: bool = False):
+        """Append positions in session-planned chunks; hist holds token ids and content ids of
+        embedding segments this session holds. Returns all logits (float32) if asked."""
+        outs, i = [], 0
+        for n in self.session.chunks(hist.shape[0]):
+            part = hist[i: i + n]
+            if bool((part < 0).any()):
+                out = self._step_mixed(part, all_logits)
+            else:
+                out = self._step_ids(part, all_logits)
+            if all_logits:
+                outs.append(out)
+            i += n
+        return torch.cat(outs).float() if all_logits else None
+
+    def _step_mixed(self, part: torch.Tensor, all_logits: bool):
+        """A chunk holding embedding positions: runs of ids and of embeddings, in order."""
+        outs, i, vals = [], 0, part.tolist()
+        while i < len(vals):
+            j = i
+            while j < len(vals) and (vals[j] < 0) == (vals[i] < 0):
+                j += 1
+            run = part[i:j]
+            if vals[i] >= 0:
+                outs.append(self.forward(run, all_positions=all_logits)["logits"])
+            else:
+                outs.append(self.forward(embeds=self._embeds_for(vals[i:j]), hist=run,
+                                         all_positions=all_logits)["logits"])
+            i = j
+        return torch.cat(outs) if all_logits else None
+
+    def _embeds_for(self, ids: list[int]) -> torch.Tensor:
+        first = -ids[0] - 1
+        for base, e in self.embeds.items():
+            if 0 <= first - base and first - base + len(ids) <= e.shape[0]:
+                return e[first - base: first - base + len(ids)].to(self.model.device)
+        raise ValueError(f"positions with content ids {ids[0]}..{ids[-1]} came from embeddings "
+                         "this session does not hold (a capsule restored from elsewhere): "
+                         "restore a capsule at or after them, or prefill the embeddings again")
+
+    # ---- public stepping ----------------------------------------------------------------
+    @torch.no_grad()
+    def prefill(self, ids=None, all_logits: bool = False, embeds: torch.Tensor | None = None):
+        """Append token ids, or embeddings (T, hidden) such as image or audio features;
+        returns float32 logits of the last position (or of all, shape (T, V))."""
+        with self._lock:
+            if (ids is None) == (embeds is None):
+                raise TypeError("prefill takes token ids or embeds=, exactly one of them")
+            if embeds is not None:
+                hist, seg = embeds_ids(embeds, self.net.config.hidden_size)
+                self.embeds.setdefault(seg[0], seg[1])
+                t = hist.to(self.model.device)
+            else:
+                t = token_ids(ids, self.net.vocab_size, self.model.device)
+            self.session.check_room(t.shape[0])
+            out = self.advance(t, all_logits)
+            return out if all_logits else self.arena["meta.logits"].clone()
+
+    @torch.no_grad()
+    def decode(self, token: int) -> torch.Tensor:
+        """Append one token; returns its float32 logits (a fresh tensor, not an arena view)."""
+        with self._lock:
+            if self.position == 0:
+                raise RuntimeError("decode() before any prefill: the session is empty (position 0)")
+            if self.position >= self.max_seq_len:
+                raise ValueError(f"max_seq_len {self.max_seq_len} reached: cannot decode at "
+                                 f"position {self.position}")
+            t = token_ids([token], self.net.vocab_size, self.model.device)
+            self.advance(t)
+            return self.arena["meta.logits"].clone()
+
+    @torch.no_grad()
+    def generate(self, ids=None, max_new_tokens: int = 32, temperature: float = 0.0, top_k: int = 0,
+                 top_p: float = 1.0, seed: int | None = None, stop=(), ignore_eos: bool = False,
+                 speculative: str | None = None, draft_tokens: int = 2, drafter=None) -> list[int]:
+        """Sample up to max_new_tokens; every returned token is committed to the session.
+
+        seed=None continues the session's RNG stream; an int reseeds it. Stops after EOS or
+        any `stop` id; finish_reason says why. speculative="mtp" drafts with the checkpoint's
+        draft head, "draft" with drafter(rt, k); see flashrt/speculative.py."""
+        if speculative is not None or drafter is not None:
+            with self._lock:
+                return self.speculation().generate(ids, max_new_tokens, temperature, top_k, top_p,
+                                                   seed, stop, ignore_eos, speculative, draft_tokens,
+                                                   drafter)
+        validate(temperature, top_k, top_p)
+        with self._lock:
+            stops = self.start_generation(ids, seed, stop, ignore_eos)
+            out, self.finish_reason = [], "length"
+            for _ in range(max_new_tokens):
+                if self.position >= self.max_seq_len:
+                    self.finish_reason = "max_seq_len"
+                    break
+                tok = self.sample(temperature, top_k, top_p)
+                self.advance(torch.tensor([tok], device=self.model.device))
+                out.append(tok)
+                if tok in stops:
+                    self.finish_reason = "stop"
+                    break
+            return out
+
+    def speculation(self):
+        """This session's speculative-decoding state (flashrt.speculative.Speculator):
+        `.stats` holds the last speculative call's rounds, drafts and acceptance by position."""
+        if self.speculator is None:
+            from flashrt.speculative import Speculator
+            self.speculator = Speculator(self)
+        return self.speculator
+
+    def sample(self, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0) -> int:
+        """A token from the last logits and the session's RNG stream (not committed)."""
+        return int(sample(self.arena["meta.logits"], self.arena["sampler.rng"], temperature, top_k, top_p))
+
+    def start_generation(self, ids, seed, stop, ignore_eos, prefill=None) -> set:
+        """Prefill ids (or require context), reseed, and return the stop ids."""
+        if ids is not None:
+            (prefill or self.prefill)(ids)
+        elif self.position == 0:
+            raise RuntimeError("generate() without ids on an empty session: prefill first")
+        if seed is not None:
+            self.seed(seed)
+        return set(stop) | (set() if ignore_eos else set(self.model.eos_ids))
+
+    def seed(self, seed: int) -> None:
+        with self._lock, torch.no_grad():
+            seed_rng(self.arena["sampler.rng"], seed)
+
+    def reset(self) -> None:
+        """Empty the session: zero fixed state, position 0. The RNG stream continues."""
+        with self._lock:
+            self.session.reset()
+
+    # ---- capsules -----------------------------------------------------------------------
+    def snapshot(self, into: Capsule | None = None, single_use: bool = False,
+                 parent: Capsule | None = None) -> Capsule:
+        """Copy the committed state (see Session.snapshot)."""
+        with self._lock:
+            return self.session.snapshot(into, single_use, parent)
+
+    def restore(self, cap: Capsule, kinds=None, on_validated=None) -> None:
+        """Make the session's state the capsule's; refused, state untouched, unless it fits."""
+        with self._lock:
+            self.session.restore(cap, kinds, on_validated)
+
+    def empty_capsule(self, max_tokens: int | None = None) -> Capsule:
+        """A preallocated capsule buffer for snapshot(into=), sized for max_tokens (default: all)."""
+        return self.session.empty_capsule(max_tokens)
+
+    @torch.no_grad()
+    def rollback(self, position: int) -> None:
+        """Return to an earlier token boundary of the history (see Session.rollback). The
+        RNG stream is not rewound, so a retry samples afresh."""
+        with self._lock:
+            hist = self.arena["meta.tokens"][: max(0, min(position, self.position))].clone()
+            self.session.rollback(position, lambda a, b: self.advance(hist[a:b]))
+
+    def fork(self, cap: Capsule | None = None, seed: int | None = None) -> "LanguageModel":
+        """An independent session over the same weights, from `cap` or the live state; it
+        does not inherit rollback checkpoints (its capsule serves as its base)."""
+        with self._lock:
+            src = cap if cap is not None else self.snapshot()
+            child = self._pool.acquire() if self._pool is not None else LanguageModel(self.model, self.options)
+            child.embeds = self.embeds           # immutable segments, by content digest
+            child.restore(src)
+            if seed is not None:
+                child.seed(seed)
+            return child
+
+    def close(self) -> None:
+        """Give a pooled session back to its pool."""
+        if self._pool is not None:
+            self._pool.release(self)
+
+    @torch.no_grad()
+    def set_context(self, context, store=None, remember: bool = True) -> torch.Tensor:
+        """Make the whole context exactly `context` (token ids, and (T, hidden) embedding
+        tensors for multimodal segments); returns the float32 last logits.
+
+        Reuses what is cheapest to reach: this session's own history (extend it, or roll
+        back to the common prefix) or the longest prefix in `store` (a CapsuleStore: restore
+        it, prefill the rest). remember: store a capsule of the new boundary, a shared-prefix
+        one over the deepest stored capsule it extends. last_reused: positions not re-run."""
+        toks, segs = context_ids(context, self.net.vocab_size, self.max_seq_len)
+        with self._lock:
+            for base, e in segs:
+                self.embeds.setdefault(base, e)
+            n = min(self.position, len(toks))
+            diff = (self.arena["meta.tokens"][:n].cpu() != torch.tensor(toks[:n])).nonzero()
+            common = int(diff[0]) if len(diff) else n
+            own = common if common == self.position else self.session.rollback_source(common)
+            cap, m = store.match(toks, self.fingerprint) if store is not None else (None, 0)
+            if cap is not None and m > own:          # fewer positions to re-run from the store
+                self.restore(cap)
+                self.last_reused = m
+            else:
+                self.rollback(common) if common < self.position else None
+                self.last_reused = own
+            if self.position < len(toks):
+                self.advance(torch.tensor(toks[self.position:], device=self.model.device))
+            if remember and store is not None and m < len(toks):
+                self._remember(store)
+            return self.arena["meta.logits"].clone()
+
+    def _remember(self, store) -> None:
+        # the deepest stored capsule this state extends: the new one stores only rows past it
+        stored = [c for c in self.session.anchors() if store.key_of(c.id) is not None]
+        parent = max(stored, key=lambda c: c.position, default=None)
+        try:
+            store.put(self.session.snapshot(parent=parent))
+        except (ValueError, CapsuleError) as e:      # the context is set; only the memo failed
+            warnings.warn(f"set_context: boundary not remembered: {e}")

@@ -1,0 +1,74 @@
+"""The model protocol: what a model file implements to run on a Session.
+
+A model owns weights and declares its state; it never allocates state itself. A Session gives
+it an arena (name -> fixed-address view) and a StepCtx; the model reads and writes its named
+buffers in place, so the same forward runs eagerly on CPU and inside a captured CUDA graph.
+
+Required: `state_specs`, `input_specs`, `forward`, and a module-level `CONFIG` with
+`from_hf(dict)` in the model file. Everything else below is an optional hook with a default.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .arena import BufferSpec
+from .layers import StepCtx
+
+
+@dataclass(frozen=True)
+class InputSpec:
+    """One named per-position input of a step: a tensor of shape (T, *shape)."""
+    name: str
+    shape: tuple = ()                   # per-position trailing shape
+    dtype: torch.dtype | None = None    # None: the model's activation dtype
+    doc: str = ""
+
+
+class StatefulModel(nn.Module):
+    """Base class of every model (language models, policies, speech models)."""
+    model_type: str = ""
+    fp32_params: tuple = ()             # parameter-name suffixes loaded in float32
+
+    # ---- required ---------------------------------------------------------------------
+    def state_specs(self, capacity: int, dtype: torch.dtype) -> list[BufferSpec]:
+        """Named buffers this model reads and writes; capacity = the per-token row count."""
+        raise NotImplementedError
+
+    def input_specs(self, dtype: torch.dtype) -> list[InputSpec]:
+        """Inputs forward() accepts; a step passes any non-empty subset the model allows."""
+        raise NotImplementedError
+
+    def forward(self, inputs: dict, ctx: StepCtx, state, all_positions: bool = False) -> dict:
+        """Advance the state by ctx.T positions; returns named outputs (last or all positions)."""
+        raise NotImplementedError
+
+    # ---- optional hooks ---------------------------------------------------------------
+    def map_weight_name(self, name: str) -> str | None:
+        """Checkpoint tensor name -> parameter name; None: known, not used here."""
+        return name
+
+    def optional_weights(self, present: set) -> set:
+        """Parameters that may be absent from the checkpoint, given the names present."""
+        return set()
+
+    def on_weights_loaded(self, present: set) -> None:
+        """Called once after weights are assigned (e.g. drop a module whose weights were absent)."""
+
+    def materialize_buffers(self, device) -> None:
+        """Recompute non-persistent buffers after a meta-device build (modules with rebuild())."""
+        for m in self.modules():
+            if m is not self and hasattr(m, "rebuild"):
+                m.rebuild(device)
+
+    # ---- optional draft head (speculative decoding) -------------------------------------
+    @property
+    def has_draft_head(self) -> bool:
+        return False
+
+    def draft(self, ids: torch.Tensor, hidden: torch.Tensor, ctx: StepCtx, state):
+        """ids (T,) = tokens at p+1, hidden (T, H) = the model's hidden at p, ctx.positions = p.
+        Writes the head's own state rows p; returns ((T, vocab) logits for p+2, (T, H) hidden)."""
+        raise NotImplementedError(f"{self.model_type} has no draft head")

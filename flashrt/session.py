@@ -1,0 +1,298 @@
+"""A Session: one arena over a model's shared weights, its position, and its capsules.
+
+The session steps any stateful model over named inputs and commits positions; it snapshots,
+restores, forks and rolls back by copying the arena's capsule kinds. It knows nothing of
+tokens, vocabularies or sampling: the layer above (a language model, a policy) brings its own
+buffers and bodies, and tells rollback how to re-run positions (`replay`).
+"""
+from __future__ import annotations
+
+import itertools
+import os
+import threading
+import uuid
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from flashrt.arena import CAPSULE_KINDS, Arena, BufferSpec
+from flashrt.capsules.copy import Copier
+from flashrt.capsules.types import Capsule, CapsuleMeta, ReadOnlyDict
+from flashrt.errors import CapsuleMismatchError
+from flashrt.layers import StepCtx
+from flashrt.version import __version__
+
+_FIXED_KINDS = frozenset(("recurrent", "conv"))    # state a position alone cannot rewind
+_ROLLBACK_KINDS = frozenset(("recurrent", "conv", "meta"))   # rng: a retry samples afresh
+MAX_ANCHORS = 8    # capsules of this history kept as rollback sources and delta parents
+
+
+@dataclass
+class SessionOptions:
+    capacity: int = 4096              # per-token rows (max_seq_len)
+    max_step: int = 2048              # positions per eager step (prefill chunk)
+    checkpoint_every: int = 1024      # rollback checkpoints at multiples of this position
+    max_checkpoints: int = 16         # memory bound: oldest dropped first
+
+
+class Session:
+    """One sequence (batch 1). Parallel branches are forks: sessions over the same weights."""
+
+    def __init__(self, net, specs: list[BufferSpec], device, dtype: torch.dtype,
+                 fingerprint: dict, options: SessionOptions, provenance: dict | None = None):
+        self.net, self.options, self.dtype = net, options, dtype
+        own = [BufferSpec("meta.position", "meta", (1,), torch.int64)]
+        with torch.no_grad():
+            self.arena = Arena(net.state_specs(options.capacity, dtype) + specs + own, device)
+        self.device = self.arena.device
+        self.copier = Copier(self.arena)
+        # shared, read-only, by every capsule made here: a snapshot copies no dict
+        self.fingerprint = ReadOnlyDict(fingerprint, layout=self.arena.fingerprint())
+        self.provenance = ReadOnlyDict(provenance or {}, device=str(self.device),
+                                       torch=torch.__version__, flashrt=__version__,
+                                       pid=os.getpid(), threads=torch.get_num_threads())
+        self._lock = threading.RLock()
+        # capsule ids "<session token>-<counter>": uuid4 per snapshot costs ~30 us of urandom
+        self._ids = map(f"{uuid.uuid4().hex[:16]}-".__add__, map(str, itertools.count()))
+        self._position = 0
+        self._checkpoints: list[Capsule] = []     # fixed state at multiples of checkpoint_every
+        # (capsule, id, position): capsules whose rows equal ours below that position. Held
+        # strongly, so which one a rollback uses never depends on garbage collection.
+        self._anchors: list[tuple] = []
+        self.has_fixed_state = any(s.spec.kind in _FIXED_KINDS for s in self.arena.slots)
+
+    # ---- position ---------------------------------------------------------------------
+    @property
+    def position(self) -> int:
+        """Committed positions. The host int is the truth; meta.position mirrors it for the
+        captured bodies and the capsules, written only by _set_position."""
+        return self._position
+
+    @property
+    def capacity(self) -> int:
+        return self.options.capacity
+
+    def _set_position(self, n: int) -> None:
+        self._position = n
+        self.arena["meta.position"].fill_(n)
+
+    def adopt(self, position: int) -> None:
+        """The arena's bytes, written directly (a benchmark's synthetic state, an import), are
+        now the committed state at `position`: checkpoints and anchors are dropped."""
+        with self._lock:
+            if not 0 <= position <= self.capacity:
+                raise ValueError(f"position {position} outside [0, {self.capacity}]")
+            self._set_position(position)
+            self._checkpoints.clear()
+            self._anchors.clear()
+
+    # ---- stepping -----------------------------------------------------------------------
+    def chunks(self, n: int) -> list[int]:
+        """Step lengths for n positions: at most max_step, split at checkpoint boundaries when
+        the model has fixed state (attention-only models rewind by position alone)."""
+        pos, every, out = self._position, self.options.checkpoint_every, []
+        while n:
+            step = min(n, self.options.max_step)
+            if self.has_fixed_state:
+                step = min(step, every - pos % every)
+            out.append(step)
+            pos, n = pos + step, n - step
+        return out
+
+    def check_room(self, n: int) -> None:
+        if self._position + n > self.capacity:
+            raise ValueError(f"{n} positions at position {self._position} exceed max_seq_len "
+                             f"(the session's capacity) {self.capacity}")
+
+    def step(self, n: int, body: Callable[[StepCtx], object], commit: bool = True):
+        """Run body over positions [position, position + n) eagerly; commit them unless told
+        not to (a verify step the caller may roll back). Returns what body returns."""
+        start = self._position
+        self._note_threads()
+        ctx = StepCtx(n, torch.arange(start, start + n, device=self.device), start=start)
+        out = body(ctx)
+        if commit:
+            self.commit(n)
+        return out
+
+    def static_ctx(self, n: int, positions: torch.Tensor | None = None) -> StepCtx:
+        """A graph-safe context: positions from meta.position (a device tensor) + arange."""
+        if positions is None:
+            positions = self.arena["meta.position"] + torch.arange(n, device=self.device)
+        return StepCtx(n, positions, static=True)
+
+    def commit(self, n: int) -> None:
+        """n more positions are committed (after a step or a replayed graph)."""
+        self._note_threads()
+        self._set_position(self._position + n)
+        self._maybe_checkpoint()
+
+    def invalidate_from(self, row: int) -> None:
+        """Per-token rows from `row` on are being rewritten below the committed position:
+        capsules that hold the old rows stop being rollback sources and delta parents."""
+        self._anchors = [a for a in self._anchors if a[2] <= row]
+
+    def _note_threads(self) -> None:
+        # CPU bits depend on the intra-op thread count: provenance records the last step's
+        n = torch.get_num_threads()
+        if n != self.provenance["threads"]:
+            self.provenance = ReadOnlyDict(self.provenance, threads=n)
+
+    def preserving_state(self, fn: Callable, rows: int):
+        """Run fn (warm-up or capture, which steps for real `rows` positions ahead) and put
+        the state back: fixed state from a capsule, per-token rows at the scratch window."""
+        a, P = self.arena, self._position
+        w = max(0, min(P, self.capacity - rows))
+        fixed = self.mark()
+        saved = {n: a[n][w:P].clone() for n in a.names(CAPSULE_KINDS)
+                 if a.slot(n).spec.seq_dim == 0} if w < P else {}
+        a["meta.position"].fill_(w)
+        try:
+            with torch.no_grad():
+                return fn()
+        finally:
+            self.copier.restore(fixed, CAPSULE_KINDS)
+            for n, r in saved.items():
+                a[n][w:P].copy_(r)
+            self._set_position(P)
+
+    # ---- capsules ---------------------------------------------------------------------
+    def _meta(self, single_use: bool = False, parent: dict | None = None) -> CapsuleMeta:
+        return CapsuleMeta(self._position, self.fingerprint, self.provenance, parent, single_use,
+                           {"id": next(self._ids)})
+
+    def snapshot(self, into: Capsule | None = None, single_use: bool = False,
+                 parent: Capsule | None = None) -> Capsule:
+        """Copy the committed state: per-token rows [0, position) and every fixed buffer.
+
+        parent: a capsule this session was restored from (or snapshotted) whose rows it still
+        holds; the result stores only rows [parent.position, position) and references it."""
+        with self._lock:
+            if into is not None and not isinstance(into, Capsule):
+                raise TypeError(f"snapshot(into=) takes a Capsule (empty_capsule()), got "
+                                f"{type(into).__name__}")
+            if into is not None and into.entries and into.meta.fingerprint != self.fingerprint:
+                raise CapsuleMismatchError("snapshot(into=): that capsule was made by another "
+                                           "model/layout")
+            ref = None
+            if parent is not None:
+                ref = {"id": parent.id, "position": parent.position}
+                if not any(i == parent.id and p == parent.position for _, i, p in self._anchors):
+                    raise CapsuleMismatchError(
+                        f"snapshot(parent=): this session's state does not extend capsule "
+                        f"{parent.id} (it was not restored or snapshotted here, or rows below it "
+                        "were rewritten)")
+            cap = self.copier.snapshot(self._position, self._meta(single_use, ref), into=into,
+                                       parent=parent)
+            self._anchor(cap)
+            return cap
+
+    def _anchor(self, cap: Capsule) -> None:
+        kept = [a for a in self._anchors if a[0] is not cap][-(MAX_ANCHORS - 1):]
+        self._anchors = kept + [(cap, cap.id, cap.position)]
+
+    def anchors(self) -> list[Capsule]:
+        """Capsules whose rows this session still holds unchanged (rollback sources, parents)."""
+        return [c for c, i, p in self._anchors if c.id == i and p <= self._position]
+
+    def mark(self, into: Capsule | None = None) -> Capsule:
+        """The fixed state only (KV rows below stay valid by position): to rewind() to."""
+        return self.copier.snapshot(self._position, CapsuleMeta(self._position, self.fingerprint, {}),
+                                    into=into, fixed_only=True)
+
+    def rewind(self, mark: Capsule) -> None:
+        """Back to a mark() of this history; rng-kind buffers keep their stream."""
+        self.copier.restore(mark, _ROLLBACK_KINDS & mark.kinds)
+        self._set_position(mark.position)
+
+    def empty_capsule(self, max_positions: int | None = None, pin: bool | None = None) -> Capsule:
+        """A preallocated capsule buffer for snapshot(into=) / load(into=)."""
+        n = self.capacity if max_positions is None else max_positions
+        if pin is None:
+            pin = self.device.type == "cpu" and torch.cuda.is_available()
+        return self.copier.empty(n, self.fingerprint, pin)
+
+    def restore(self, cap: Capsule, kinds=None, on_validated: Callable | None = None) -> None:
+        """Make the session's state the capsule's. Refused (state untouched) unless it fits.
+        kinds: restore only those (+ meta; an unsafe ablation). on_validated: called after
+        validation, before any byte is written (a store claims single-use capsules there)."""
+        with self._lock:
+            want = None
+            if kinds is not None:
+                want = frozenset(kinds) | {"meta"}
+                bad = want - CAPSULE_KINDS
+                if bad:
+                    raise ValueError(f"restore(kinds=): unknown or non-capsule kinds {sorted(bad)}")
+            chain = self.copier.check_fits(cap, self.fingerprint, self.capacity)
+            if on_validated is not None:
+                on_validated()
+            cap.claim()                               # single use: validation first
+            self.copier.restore(cap, cap.kinds if want is None else want & cap.kinds, chain)
+            self._set_position(cap.position)
+            self._checkpoints.clear()
+            # a partial restore leaves a mixed state: nothing may build on it
+            self._anchors = [] if want is not None else [(c, c.id, c.position) for c in chain]
+
+    def reset(self) -> None:
+        """Empty the session: zero the fixed state (rng-kind buffers continue), position 0."""
+        with self._lock, torch.no_grad():
+            a = self.arena
+            rng = {n: a[n].clone() for n in a.names(("rng",))}
+            a.data[a.fixed_begin: a.fixed_end].zero_()
+            for n, v in rng.items():
+                a[n].copy_(v)
+            self._set_position(0)
+            self._checkpoints.clear()
+            self._anchors.clear()
+
+    # ---- rollback -----------------------------------------------------------------------
+    def _maybe_checkpoint(self) -> None:
+        every = self.options.checkpoint_every
+        if self._position % every:
+            return
+        reuse = self._checkpoints.pop(0) if len(self._checkpoints) >= self.options.max_checkpoints \
+            else None
+        self._checkpoints.append(self.copier.snapshot(self._position, self._meta(), into=reuse,
+                                                      fixed_only=True))
+
+    def checkpoint_positions(self) -> list[int]:
+        return [c.position for c in self._checkpoints]
+
+    def _source(self, position: int) -> tuple[int, Capsule | None]:
+        """(position, capsule) a rollback to `position` starts from: the nearest checkpoint
+        or anchored capsule at or before it; attention-only models rewind KV by position
+        and re-run one position for its outputs."""
+        caps = [c for c in self._checkpoints if c.position <= position]
+        caps += [c for c, i, p in self._anchors if p <= position and c.id == i]
+        best = max(caps, key=lambda c: c.position, default=None)
+        if not self.has_fixed_state and position > 0 and (best is None or best.position < position):
+            return position - 1, None
+        return (best.position, best) if best is not None else (0, None)
+
+    def rollback_source(self, position: int) -> int:
+        """The position a rollback to `position` restores from (then re-runs the rest)."""
+        return self._source(position)[0]
+
+    def rollback(self, position: int, replay: Callable[[int, int], None]) -> None:
+        """Return to an earlier boundary: fixed state from the nearest checkpoint or anchored
+        capsule at or before `position` (per-token rows below stay valid), then
+        replay(from, position) re-runs the gap. rng-kind buffers are not rewound."""
+        with self._lock:
+            if not 0 <= position <= self._position:
+                raise ValueError(f"rollback position {position} is outside the history "
+                                 f"[0, {self._position}]")
+            if position == self._position:
+                return
+            self._checkpoints = [c for c in self._checkpoints if c.position <= position]
+            src, cap = self._source(position)
+            self.invalidate_from(src)
+            if cap is not None:
+                self.copier.restore(cap, _ROLLBACK_KINDS & cap.kinds)
+                self._set_position(src)
+            elif src == 0:
+                self.reset()
+            else:                                   # attention-only: KV rows are the state
+                self._set_position(src)
+            if src < position:
+                replay(src, position)
