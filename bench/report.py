@@ -1,13 +1,15 @@
-"""Regenerate README tables from bench/results/*.json (never type figures by hand).
+"""Regenerate benchmark tables from bench/results/*.json (never type figures by hand).
 
-Writes bench/results/README_tables.md with every table, and, where README.md holds markers
+Writes bench/results/README_tables.md with every table, and, where bench/README.md holds markers
 
     <!-- bench:NAME:start -->
     ...replaced...
     <!-- bench:NAME:end -->
 
 (NAME: models, capsules, ttft, ablation, or any other bench whose JSON was written by
-bench/common.py) replaces the text between them with NAME's tables.
+bench/common.py) replaces the text between them with NAME's tables. README.md holds short
+headline blocks (<!-- bench:headline-NAME:start -->): NAME's first table, HEADLINE columns and
+rows only.
 Results of --quick runs (*.quick.json) are left out unless --include-quick.
 
     python bench/report.py
@@ -26,6 +28,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench import common as C  # noqa: E402
 
 NAMES = ("state_sizes", "models", "capsules", "ttft", "ablation")
+# headline blocks of README.md: bench -> (row filter on the first cell, column indices kept)
+HEADLINE = {
+    "ttft": ("Qwen3.5-0.8B", (1, 2, 3, 4, 5, 6)),     # prefix .. flashrt's same-16-tokens check
+    "capsules": ("", (0, 2, 3, 4, 5, 6)),             # state, plain copy, snapshot(into), restore
+}
 
 
 def load_results(results: Path, include_quick: bool) -> dict:
@@ -66,6 +73,21 @@ def section(payloads: list) -> str:
     return "\n\n".join(parts)
 
 
+def headline(name: str, payloads: list) -> str | None:
+    """README's short block for a bench: its default result's first table, trimmed."""
+    if name not in HEADLINE or not payloads or not payloads[0].get("tables"):
+        return None
+    d, (row_key, cols) = payloads[0], HEADLINE[name]
+    t = C.Table.from_json(d["tables"][0])
+    keep = [i for i in cols if i < len(t.headers)]
+    rows = [[r[i] for i in keep] for r in t.rows if row_key in r[0]]
+    out = C.Table(t.title, [t.headers[i] for i in keep], rows)
+    m = d.get("machine", {})
+    return (out.markdown() + f"\n\n_{m.get('cpu')} x{m.get('cpu_count')}, {m.get('device')} "
+            f"{m.get('dtype')}, random weights; `{d.get('command')}`; all rows and columns in "
+            f"bench/README.md_")
+
+
 def replace_markers(text: str, name: str, body: str) -> tuple[str, bool]:
     start, end = f"<!-- bench:{name}:start -->", f"<!-- bench:{name}:end -->"
     pat = re.compile(re.escape(start) + r".*?" + re.escape(end), re.S)
@@ -78,8 +100,9 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="bench/report.py", description=__doc__.split("\n")[0])
     p.add_argument("--results", default=str(C.RESULTS), help="directory of result JSON files")
     p.add_argument("--out", default=None, help="markdown output (default <results>/README_tables.md)")
-    p.add_argument("--readme", default=str(C.ROOT / "README.md"),
-                   help="file whose bench markers are refreshed (default README.md)")
+    p.add_argument("--readme", nargs="*", default=[str(C.ROOT / "bench" / "README.md"),
+                                                   str(C.ROOT / "README.md")],
+                   help="files whose bench markers are refreshed (bench/README.md, README.md)")
     p.add_argument("--no-readme", action="store_true", help="only write the markdown file")
     p.add_argument("--include-quick", action="store_true", help="also use *.quick.json results")
     a = p.parse_args(argv)
@@ -93,6 +116,7 @@ def main(argv=None) -> int:
             continue
         bodies[name] = section(by_name[name])
         doc += [f"## {name}", "", bodies[name], ""]
+    heads = {f"headline-{n}": h for n in by_name if (h := headline(n, by_name[n])) is not None}
     if not bodies:
         print(f"no result files in {results}" + ("" if a.include_quick else
                                                  " (quick results are skipped; --include-quick)"))
@@ -100,10 +124,11 @@ def main(argv=None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("\n".join(doc).rstrip() + "\n")
     print(f"wrote {out} ({', '.join(bodies) or 'no tables'})")
-    readme = Path(a.readme)
-    if not a.no_readme and readme.exists():
+    for readme in map(Path, [] if a.no_readme else a.readme):
+        if not readme.exists():
+            continue
         text, changed = readme.read_text(), []
-        for name, body in bodies.items():
+        for name, body in {**bodies, **heads}.items():
             text, hit = replace_markers(text, name, body)
             if hit:
                 changed.append(name)

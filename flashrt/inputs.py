@@ -82,3 +82,24 @@ def context_ids(context, vocab: int, max_len: int, who: str = "set_context"):
     if not out or len(out) > max_len:
         raise ValueError(f"{who}: context needs 1..{max_len} positions, got {len(out)}")
     return out, segs
+
+
+class EmbeddingSegments:
+    """Embedding segments a session prefilled, by content digest: rollback and set_context
+    re-run embedding positions from here. Immutable once added, so forks share them."""
+
+    def __init__(self):
+        self._segs: dict = {}
+
+    def add(self, base: int, embeds: torch.Tensor) -> None:
+        self._segs.setdefault(base, embeds)
+
+    def rows(self, ids: list[int]) -> torch.Tensor:
+        """The embeddings (len(ids), hidden) behind a run of consecutive content ids."""
+        first = -ids[0] - 1
+        for base, e in self._segs.items():
+            if 0 <= first - base and first - base + len(ids) <= e.shape[0]:
+                return e[first - base: first - base + len(ids)]
+        raise ValueError(f"positions with content ids {ids[0]}..{ids[-1]} came from embeddings "
+                         "this session does not hold (a capsule restored from elsewhere): "
+                         "restore a capsule at or after them, or prefill the embeddings again")

@@ -6,16 +6,14 @@ stream, the io buffers of the captured step, and multimodal embedding segments.
 from __future__ import annotations
 
 import threading
-import warnings
 from dataclasses import dataclass
 
 import torch
 
 from flashrt.arena import BufferSpec
 from flashrt.capsules.types import Capsule
-from flashrt.errors import CapsuleError
 from flashrt.graphs import CapturedBodies, power_of_two_sizes
-from flashrt.inputs import context_ids, embeds_ids, token_ids
+from flashrt.inputs import EmbeddingSegments, embeds_ids, token_ids
 from flashrt.loader import LoadedModel
 from flashrt.sampler import sample, seed_rng, validate
 from flashrt.session import Session, SessionOptions
@@ -54,16 +52,13 @@ class LanguageModel:
         self.arena = self.session.arena
         seed_rng(self.arena["sampler.rng"], options.seed)
         self._lock = threading.RLock()
-        self.embeds = {}                  # embedding segments by digest base: re-run on rollback
+        self.embeds = EmbeddingSegments()   # re-run on rollback; shared with forks
         self.finish_reason = None
         self.last_reused = 0              # positions set_context took over instead of re-running
         self.speculator = None            # flashrt.speculative state, made on first use
         self.graphs = None
         if options.cuda_graphs and model.device.type == "cuda":
-            self.graph_sizes = power_of_two_sizes(min(options.graph_max_tokens, options.prefill_chunk))
-            self.graphs = CapturedBodies()
-            self.graphs.capture({T: (lambda T=T: self._static_step(T)) for T in self.graph_sizes},
-                                lambda fn: self.session.preserving_state(fn, self.graph_sizes[-1]))
+            self.graphs = StepGraphs(self, min(options.graph_max_tokens, options.prefill_chunk))
 
     # ---- properties -------------------------------------------------------------------
     position = property(lambda self: self.session.position)
@@ -81,21 +76,13 @@ class LanguageModel:
         return self.arena.table()
 
     # ---- steps ------------------------------------------------------------------------
-    def _static_step(self, T: int):
+    def static_step(self, T: int):
         """The captured body: ids from io.ids, positions from meta.position."""
         a = self.arena
         ctx = self.session.static_ctx(T)
         ids = a["io.ids"][:T]
         out = self.net({"ids": ids}, ctx, a)
         self._record(ids, ctx.positions, out["logits"][-1])
-
-    def graph_body_step(self, ids: torch.Tensor) -> None:
-        """Run the captured step's body eagerly for len(ids) tokens and commit them: what a
-        CUDA graph records (device positions, full-capacity masked attention), testable on CPU."""
-        with self._lock, torch.no_grad():
-            self.arena["io.ids"][: ids.shape[0]].copy_(ids)
-            self._static_step(ids.shape[0])
-            self.session.commit(ids.shape[0])
 
     def _record(self, ids, positions, last_logits) -> None:
         self.arena["meta.logits"].copy_(last_logits)
@@ -123,16 +110,8 @@ class LanguageModel:
         self.session.commit(ids.shape[0])
 
     def _step_ids(self, ids: torch.Tensor, all_logits: bool):
-        T = ids.shape[0]
-        if self.graphs is not None and not all_logits and T <= self.graph_sizes[-1]:
-            io, i = self.arena["io.ids"], 0
-            for size in reversed(self.graph_sizes):    # a sum of captured sizes, largest first
-                while T - i >= size:
-                    io[:size].copy_(ids[i: i + size])
-                    self.graphs.replay(size)
-                    self.session.commit(size)
-                    i += size
-            return None
+        if self.graphs is not None and not all_logits and ids.shape[0] <= self.graphs.max_size:
+            return self.graphs.run(ids)
         return self.forward(ids, all_positions=all_logits)["logits"]
 
     def advance(self, hist: torch.Tensor, all_logits: bool = False):
@@ -161,19 +140,10 @@ class LanguageModel:
             if vals[i] >= 0:
                 outs.append(self.forward(run, all_positions=all_logits)["logits"])
             else:
-                outs.append(self.forward(embeds=self._embeds_for(vals[i:j]), hist=run,
+                outs.append(self.forward(embeds=self.embeds.rows(vals[i:j]).to(self.model.device), hist=run,
                                          all_positions=all_logits)["logits"])
             i = j
         return torch.cat(outs) if all_logits else None
-
-    def _embeds_for(self, ids: list[int]) -> torch.Tensor:
-        first = -ids[0] - 1
-        for base, e in self.embeds.items():
-            if 0 <= first - base and first - base + len(ids) <= e.shape[0]:
-                return e[first - base: first - base + len(ids)].to(self.model.device)
-        raise ValueError(f"positions with content ids {ids[0]}..{ids[-1]} came from embeddings "
-                         "this session does not hold (a capsule restored from elsewhere): "
-                         "restore a capsule at or after them, or prefill the embeddings again")
 
     # ---- public stepping ----------------------------------------------------------------
     @torch.no_grad()
@@ -185,7 +155,7 @@ class LanguageModel:
                 raise TypeError("prefill takes token ids or embeds=, exactly one of them")
             if embeds is not None:
                 hist, seg = embeds_ids(embeds, self.net.config.hidden_size)
-                self.embeds.setdefault(seg[0], seg[1])
+                self.embeds.add(*seg)
                 t = hist.to(self.model.device)
             else:
                 t = token_ids(ids, self.net.vocab_size, self.model.device)
@@ -311,38 +281,40 @@ class LanguageModel:
     @torch.no_grad()
     def set_context(self, context, store=None, remember: bool = True) -> torch.Tensor:
         """Make the whole context exactly `context` (token ids, and (T, hidden) embedding
-        tensors for multimodal segments); returns the float32 last logits.
-
-        Reuses what is cheapest to reach: this session's own history (extend it, or roll
-        back to the common prefix) or the longest prefix in `store` (a CapsuleStore: restore
-        it, prefill the rest). remember: store a capsule of the new boundary, a shared-prefix
-        one over the deepest stored capsule it extends. last_reused: positions not re-run."""
-        toks, segs = context_ids(context, self.net.vocab_size, self.max_seq_len)
+        tensors for multimodal segments); returns the float32 last logits. Reuses this
+        session's history or the longest prefix in `store` (flashrt/reuse.py); last_reused
+        says how many positions were taken over instead of re-run."""
+        from flashrt.reuse import set_context
         with self._lock:
-            for base, e in segs:
-                self.embeds.setdefault(base, e)
-            n = min(self.position, len(toks))
-            diff = (self.arena["meta.tokens"][:n].cpu() != torch.tensor(toks[:n])).nonzero()
-            common = int(diff[0]) if len(diff) else n
-            own = common if common == self.position else self.session.rollback_source(common)
-            cap, m = store.match(toks, self.fingerprint) if store is not None else (None, 0)
-            if cap is not None and m > own:          # fewer positions to re-run from the store
-                self.restore(cap)
-                self.last_reused = m
-            else:
-                self.rollback(common) if common < self.position else None
-                self.last_reused = own
-            if self.position < len(toks):
-                self.advance(torch.tensor(toks[self.position:], device=self.model.device))
-            if remember and store is not None and m < len(toks):
-                self._remember(store)
+            self.last_reused = set_context(self, context, store, remember)
             return self.arena["meta.logits"].clone()
 
-    def _remember(self, store) -> None:
-        # the deepest stored capsule this state extends: the new one stores only rows past it
-        stored = [c for c in self.session.anchors() if store.key_of(c.id) is not None]
-        parent = max(stored, key=lambda c: c.position, default=None)
-        try:
-            store.put(self.session.snapshot(parent=parent))
-        except (ValueError, CapsuleError) as e:      # the context is set; only the memo failed
-            warnings.warn(f"set_context: boundary not remembered: {e}")
+
+class StepGraphs:
+    """The language model's step captured per power-of-two size; a length replays as a sum
+    of captured sizes, largest first (no padding: it would advance recurrent state)."""
+
+    def __init__(self, lm: LanguageModel, max_size: int):
+        self.lm, self.sizes = lm, power_of_two_sizes(max_size)
+        self.max_size = self.sizes[-1]
+        self.bodies = CapturedBodies()
+        self.bodies.capture({T: (lambda T=T: lm.static_step(T)) for T in self.sizes},
+                            lambda fn: lm.session.preserving_state(fn, self.max_size))
+
+    def run(self, ids: torch.Tensor) -> None:
+        io, i, n = self.lm.arena["io.ids"], 0, ids.shape[0]
+        for size in reversed(self.sizes):
+            while n - i >= size:
+                io[:size].copy_(ids[i: i + size])
+                self.bodies.replay(size)
+                self.lm.session.commit(size)
+                i += size
+
+
+@torch.no_grad()
+def graph_body_step(lm: LanguageModel, ids: torch.Tensor) -> None:
+    """Run the captured step's body eagerly for len(ids) tokens and commit them: what a CUDA
+    graph records (device positions, full-capacity masked attention), testable on CPU."""
+    lm.arena["io.ids"][: ids.shape[0]].copy_(ids)
+    lm.static_step(ids.shape[0])
+    lm.session.commit(ids.shape[0])

@@ -36,6 +36,47 @@ class SessionOptions:
     max_checkpoints: int = 16         # memory bound: oldest dropped first
 
 
+class Sources:
+    """What a rollback restores from: fixed-state checkpoints at multiples of checkpoint_every,
+    and anchors, the last MAX_ANCHORS capsules of this history (rollback sources and delta
+    parents). Anchors are held strongly, so which one serves never depends on garbage
+    collection; an anchor whose capsule was rewritten in place (another id) no longer serves."""
+
+    def __init__(self, max_checkpoints: int):
+        self.max_checkpoints = max_checkpoints
+        self.checkpoints: list[Capsule] = []
+        self.anchors: list[tuple] = []          # (capsule, its id then, its position then)
+
+    def clear(self) -> None:
+        self.checkpoints.clear()
+        self.anchors.clear()
+
+    def recycle(self) -> Capsule | None:
+        """The oldest checkpoint's buffer when at the limit (reused for the next one)."""
+        return self.checkpoints.pop(0) if len(self.checkpoints) >= self.max_checkpoints else None
+
+    def anchor(self, cap: Capsule) -> None:
+        kept = [a for a in self.anchors if a[0] is not cap][-(MAX_ANCHORS - 1):]
+        self.anchors = kept + [(cap, cap.id, cap.position)]
+
+    def live(self, position: int) -> list[Capsule]:
+        return [c for c, i, p in self.anchors if c.id == i and p <= position]
+
+    def extends(self, cap: Capsule) -> bool:
+        return any(i == cap.id and p == cap.position for _, i, p in self.anchors)
+
+    def drop_above(self, row: int) -> None:
+        self.anchors = [a for a in self.anchors if a[2] <= row]
+
+    def keep_below(self, position: int) -> None:
+        self.checkpoints = [c for c in self.checkpoints if c.position <= position]
+
+    def best(self, position: int) -> Capsule | None:
+        """The deepest checkpoint or live anchor at or below position."""
+        caps = [c for c in self.checkpoints if c.position <= position] + self.live(position)
+        return max(caps, key=lambda c: c.position, default=None)
+
+
 class Session:
     """One sequence (batch 1). Parallel branches are forks: sessions over the same weights."""
 
@@ -56,10 +97,7 @@ class Session:
         # capsule ids "<session token>-<counter>": uuid4 per snapshot costs ~30 us of urandom
         self._ids = map(f"{uuid.uuid4().hex[:16]}-".__add__, map(str, itertools.count()))
         self._position = 0
-        self._checkpoints: list[Capsule] = []     # fixed state at multiples of checkpoint_every
-        # (capsule, id, position): capsules whose rows equal ours below that position. Held
-        # strongly, so which one a rollback uses never depends on garbage collection.
-        self._anchors: list[tuple] = []
+        self._sources = Sources(options.max_checkpoints)
         self.has_fixed_state = any(s.spec.kind in _FIXED_KINDS for s in self.arena.slots)
 
     # ---- position ---------------------------------------------------------------------
@@ -84,8 +122,7 @@ class Session:
             if not 0 <= position <= self.capacity:
                 raise ValueError(f"position {position} outside [0, {self.capacity}]")
             self._set_position(position)
-            self._checkpoints.clear()
-            self._anchors.clear()
+            self._sources.clear()
 
     # ---- stepping -----------------------------------------------------------------------
     def chunks(self, n: int) -> list[int]:
@@ -131,7 +168,7 @@ class Session:
     def invalidate_from(self, row: int) -> None:
         """Per-token rows from `row` on are being rewritten below the committed position:
         capsules that hold the old rows stop being rollback sources and delta parents."""
-        self._anchors = [a for a in self._anchors if a[2] <= row]
+        self._sources.drop_above(row)
 
     def _note_threads(self) -> None:
         # CPU bits depend on the intra-op thread count: provenance records the last step's
@@ -178,23 +215,19 @@ class Session:
             ref = None
             if parent is not None:
                 ref = {"id": parent.id, "position": parent.position}
-                if not any(i == parent.id and p == parent.position for _, i, p in self._anchors):
+                if not self._sources.extends(parent):
                     raise CapsuleMismatchError(
                         f"snapshot(parent=): this session's state does not extend capsule "
                         f"{parent.id} (it was not restored or snapshotted here, or rows below it "
                         "were rewritten)")
             cap = self.copier.snapshot(self._position, self._meta(single_use, ref), into=into,
                                        parent=parent)
-            self._anchor(cap)
+            self._sources.anchor(cap)
             return cap
-
-    def _anchor(self, cap: Capsule) -> None:
-        kept = [a for a in self._anchors if a[0] is not cap][-(MAX_ANCHORS - 1):]
-        self._anchors = kept + [(cap, cap.id, cap.position)]
 
     def anchors(self) -> list[Capsule]:
         """Capsules whose rows this session still holds unchanged (rollback sources, parents)."""
-        return [c for c, i, p in self._anchors if c.id == i and p <= self._position]
+        return self._sources.live(self._position)
 
     def mark(self, into: Capsule | None = None) -> Capsule:
         """The fixed state only (KV rows below stay valid by position): to rewind() to."""
@@ -230,9 +263,10 @@ class Session:
             cap.claim()                               # single use: validation first
             self.copier.restore(cap, cap.kinds if want is None else want & cap.kinds, chain)
             self._set_position(cap.position)
-            self._checkpoints.clear()
             # a partial restore leaves a mixed state: nothing may build on it
-            self._anchors = [] if want is not None else [(c, c.id, c.position) for c in chain]
+            self._sources.clear()
+            for c in chain if want is None else ():
+                self._sources.anchor(c)
 
     def reset(self) -> None:
         """Empty the session: zero the fixed state (rng-kind buffers continue), position 0."""
@@ -243,29 +277,25 @@ class Session:
             for n, v in rng.items():
                 a[n].copy_(v)
             self._set_position(0)
-            self._checkpoints.clear()
-            self._anchors.clear()
+            self._sources.clear()
 
     # ---- rollback -----------------------------------------------------------------------
     def _maybe_checkpoint(self) -> None:
         every = self.options.checkpoint_every
         if self._position % every:
             return
-        reuse = self._checkpoints.pop(0) if len(self._checkpoints) >= self.options.max_checkpoints \
-            else None
-        self._checkpoints.append(self.copier.snapshot(self._position, self._meta(), into=reuse,
-                                                      fixed_only=True))
+        cp = self.copier.snapshot(self._position, self._meta(), into=self._sources.recycle(),
+                                  fixed_only=True)
+        self._sources.checkpoints.append(cp)
 
     def checkpoint_positions(self) -> list[int]:
-        return [c.position for c in self._checkpoints]
+        return [c.position for c in self._sources.checkpoints]
 
     def _source(self, position: int) -> tuple[int, Capsule | None]:
         """(position, capsule) a rollback to `position` starts from: the nearest checkpoint
         or anchored capsule at or before it; attention-only models rewind KV by position
         and re-run one position for its outputs."""
-        caps = [c for c in self._checkpoints if c.position <= position]
-        caps += [c for c, i, p in self._anchors if p <= position and c.id == i]
-        best = max(caps, key=lambda c: c.position, default=None)
+        best = self._sources.best(position)
         if not self.has_fixed_state and position > 0 and (best is None or best.position < position):
             return position - 1, None
         return (best.position, best) if best is not None else (0, None)
@@ -284,7 +314,7 @@ class Session:
                                  f"[0, {self._position}]")
             if position == self._position:
                 return
-            self._checkpoints = [c for c in self._checkpoints if c.position <= position]
+            self._sources.keep_below(position)
             src, cap = self._source(position)
             self.invalidate_from(src)
             if cap is not None:

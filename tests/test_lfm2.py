@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import flashrt
+from flashrt.lm import graph_body_step
 from conftest import hf_logits, hf_reference, margin_check
 from flashrt.models.lfm2 import Lfm2Config, effective_ff_dim
 
@@ -201,6 +202,6 @@ def test_variant_parity_eager_and_static(L, tmp_path):
     pos = 0
     with torch.no_grad():
         for n in (16, 3, 1, 1, 8, 11):
-            st.graph_body_step(torch.tensor(ids[pos: pos + n]))
+            graph_body_step(st, torch.tensor(ids[pos: pos + n]))
             pos += n
             assert (st.arena["meta.logits"] - ref[pos - 1]).abs().max() <= TOL, pos

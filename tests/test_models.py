@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import flashrt
+from flashrt.lm import graph_body_step
 from flashrt import native
 from conftest import ARCHS, hf_logits, hf_reference, margin_check
 
@@ -105,7 +106,7 @@ def test_static_graph_body_matches_eager(arch, runtime):
     with torch.no_grad():
         for chunk in (ids[:16], ids[16:24], ids[24:25], ids[25:]):
             want = eager.prefill(chunk)
-            static.graph_body_step(torch.tensor(chunk))
+            graph_body_step(static, torch.tensor(chunk))
             got = a["meta.logits"]
             assert torch.isfinite(got).all()
             assert (got - want).abs().max() <= 1e-4
