@@ -158,7 +158,8 @@ def bench_arch(arch, a, tmp, tables, quick_note):
                   ["state", "tokens", "plain write+fsync ms", "atomic write ms", "save ms", "ratio",
                    "vs atomic", "plain read ms", "load(into) ms", "ratio", "load() fresh ms",
                    "save MB/s"])
-    load_target = rt.empty_capsule(max(pos_list)) if not a.no_disk else None
+    # load(into=) reads files into host memory (pinned on CUDA machines); restore copies it on
+    load_target = rt.session.empty_capsule(max(pos_list), host=True) if not a.no_disk else None
     rows = []
     for P in C.progress(pos_list, desc=f"{arch} sizes"):
         synthesize(rt, P)

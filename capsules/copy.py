@@ -107,10 +107,10 @@ class Copier:
         plans[key] = (weakref.ref(self), entries, plan)
 
     # ---- buffers ------------------------------------------------------------------------
-    def empty(self, max_tokens: int, fingerprint: dict, pin: bool = False) -> Capsule:
+    def empty(self, max_tokens: int, fingerprint: dict, pin: bool = False, device=None) -> Capsule:
         """A capsule buffer for snapshot(into=) or load(into=), sized for max_tokens."""
         _, need = plan_entries(self.arena, max_tokens)
-        data = torch.empty(need, dtype=torch.uint8, device=self.arena.device, pin_memory=pin)
+        data = torch.empty(need, dtype=torch.uint8, device=device or self.arena.device, pin_memory=pin)
         return Capsule(data, [], CapsuleMeta(0, fingerprint, {}))
 
     # ---- snapshot -----------------------------------------------------------------------

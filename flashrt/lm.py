@@ -249,9 +249,10 @@ class LanguageModel:
         with self._lock:
             self.session.restore(cap, kinds, on_validated)
 
-    def empty_capsule(self, max_tokens: int | None = None) -> Capsule:
-        """A preallocated capsule buffer for snapshot(into=), sized for max_tokens (default: all)."""
-        return self.session.empty_capsule(max_tokens)
+    def empty_capsule(self, max_tokens: int | None = None, host: bool = False) -> Capsule:
+        """A preallocated capsule buffer for snapshot(into=) (host=True: for load_capsule(into=)),
+        sized for max_tokens (default: all)."""
+        return self.session.empty_capsule(max_tokens, host)
 
     @torch.no_grad()
     def rollback(self, position: int) -> None:

@@ -194,9 +194,9 @@ class SegmentPlan:
         CUDA op, capturable in a CUDA graph once it has run outside capture
         (the kernel is loaded lazily on first use).
       * anything else (CUDA <-> CPU, several GPUs) or no extension -> one
-        ``dst.copy_(src, non_blocking=True)`` per segment. For CUDA <-> CPU
-        this is asynchronous only when the CPU side is pinned; after a
-        device-to-host copy synchronise the stream before reading dst.
+        ``dst.copy_(src, non_blocking=True)`` per segment; between CUDA and CPU
+        run() returns once the copies are done (the stream is synchronised), so
+        the host buffer may be reused or read at once.
     ``mode`` records the choice: "cpu", "strided", "cuda", "torch" or "empty".
     """
 
@@ -225,6 +225,9 @@ class SegmentPlan:
         self.src = np.array(src, dtype=np.int64)
         self.dst = np.array(dst, dtype=np.int64)
         self.nbytes = np.array(sizes, dtype=np.int64)
+        # host <-> device copies return only once done: a pinned host capsule may then be
+        # overwritten (a load(into=)) or read (a save) at once; unordered otherwise
+        self._sync = any(d.type == "cuda" for d in devices) and any(d.type == "cpu" for d in devices)
         self.device = devices.pop() if len(devices) == 1 else None
         if self.device is None:
             self.mode = "torch" if self.pairs else "empty"
@@ -270,7 +273,7 @@ class SegmentPlan:
             return None
         self = cls.__new__(cls)
         self.num_threads, self.pairs, self.device, self.mode = 0, [], device, mode
-        self.src, self.dst, self.nbytes, self._keep = src, dst, nbytes, keep
+        self.src, self.dst, self.nbytes, self._keep, self._sync = src, dst, nbytes, keep, False
         self._cpu = _C.CpuCopyPlan(src, dst, nbytes) if mode == "cpu" else None
         return self
 
@@ -296,6 +299,8 @@ class SegmentPlan:
         elif self.mode == "torch":
             for src, dst in self.pairs:
                 dst.copy_(src, non_blocking=True)
+            if self._sync:
+                torch.cuda.current_stream().synchronize()
 
 
 def small_m_linear(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -239,12 +239,12 @@ class Session:
         self.copier.restore(mark, _ROLLBACK_KINDS & mark.kinds)
         self._set_position(mark.position)
 
-    def empty_capsule(self, max_positions: int | None = None, pin: bool | None = None) -> Capsule:
-        """A preallocated capsule buffer for snapshot(into=) / load(into=)."""
+    def empty_capsule(self, max_positions: int | None = None, host: bool = False) -> Capsule:
+        """A preallocated capsule buffer for snapshot(into=), on the arena's device, or with
+        host=True in host memory (pinned when CUDA runs) for load_capsule(into=)."""
         n = self.capacity if max_positions is None else max_positions
-        if pin is None:
-            pin = self.device.type == "cpu" and torch.cuda.is_available()
-        return self.copier.empty(n, self.fingerprint, pin)
+        pin = (host or self.device.type == "cpu") and torch.cuda.is_available()
+        return self.copier.empty(n, self.fingerprint, pin, "cpu" if host else self.device)
 
     def restore(self, cap: Capsule, kinds=None, on_validated: Callable | None = None) -> None:
         """Make the session's state the capsule's. Refused (state untouched) unless it fits.

@@ -440,3 +440,34 @@ def test_shared_prefix_capsule(arch, runtime, tmp_path):
     fresh.prefill(_ids(30, 34))
     with pytest.raises(flashrt.CapsuleMismatchError, match="does not extend"):
         fresh.snapshot(parent=parent)
+
+
+def test_devices_compare_as_tensors_report_them():
+    """'cuda' and 'cuda:0' name one device: the arena keeps its tensor's device, and the copy
+    layer's comparison treats an index-less device as the same device (issue: every
+    snapshot(into=) on CUDA was refused as 'capsule is on cuda:0, arena on cuda')."""
+    from flashrt.arena import Arena, BufferSpec
+    from flashrt.capsules.copy import _same_device
+    assert _same_device(torch.device("cuda"), torch.device("cuda", 0))
+    assert _same_device(torch.device("cuda", 0), torch.device("cuda"))
+    assert not _same_device(torch.device("cuda", 0), torch.device("cuda", 1))
+    assert not _same_device(torch.device("cpu"), torch.device("cuda", 0))
+    a = Arena([BufferSpec("meta.x", "meta", (4,), torch.int64)], "cpu")
+    assert a.device == a.data.device
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_graph_warm_up_at_a_small_capacity(arch, runtime):
+    """Capture warm-up runs every step body for real; bodies read the position and never move
+    it, and the warm-up runs them at a scratch window inside the capacity, so a session whose
+    max_seq_len is below the sum of the captured sizes warms up and is left as it was (before,
+    warm-up walked meta.position to 1+2+...+64 = 127: a device-side assert under 127)."""
+    from flashrt.graphs import power_of_two_sizes
+    rt = runtime(arch, max_seq_len=20, prefill_chunk=16)
+    rt.prefill(_ids(9, 40))
+    before = state_bytes(rt)
+    sizes = power_of_two_sizes(16)
+    with torch.no_grad():
+        rt.session.preserving_state(lambda: [rt.static_step(T) for T in sizes], sizes[-1])
+    assert torch.equal(state_bytes(rt), before) and rt.position == 9
+    assert int(rt.arena["meta.position"]) == 9

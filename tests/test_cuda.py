@@ -65,3 +65,22 @@ def test_device_host_capsules(arch, ckpt, tmp_path):
     cpu_rt = flashrt.load(ckpt(arch), dtype="float32", max_seq_len=256)
     cpu_rt.restore(flashrt.load_capsule(tmp_path / "c.cap"))
     assert cpu_rt.tokens == rt.tokens[:33]
+
+
+def test_snapshot_into_on_cuda_and_host_capsule_reuse(ckpt, tmp_path):
+    """snapshot(into=) on a 'cuda' arena (the device as tensors report it), and a pinned host
+    capsule overwritten by load(into=) right after a restore from it (ordered copies)."""
+    rt = flashrt.load(ckpt("qwen3_5"), device=torch.device("cuda"), dtype="float32", max_seq_len=128)
+    rt.prefill(_ids(20, 7))
+    buf = rt.empty_capsule()
+    a = rt.snapshot(into=buf)
+    assert rt.snapshot(into=buf) is buf and a.device.index is not None
+    want = rt.snapshot().to("cpu")
+    flashrt.save_capsule(want, tmp_path / "w.cap")
+    rt.prefill(_ids(10, 8))
+    flashrt.save_capsule(rt.snapshot(), tmp_path / "other.cap")
+    host = flashrt.load_capsule(tmp_path / "w.cap")
+    host = flashrt.Capsule(host.data.pin_memory(), host.entries, host.meta)     # pinned: async copies
+    rt.restore(host)
+    flashrt.load_capsule(tmp_path / "other.cap", into=host)      # the host buffer reused at once
+    assert torch.equal(rt.snapshot().to("cpu").data[: want.nbytes], want.data[: want.nbytes])
