@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import math
 import os
 import pathlib
 import shutil
@@ -43,29 +42,6 @@ def _checkpoint_module():
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
-
-
-def _decisive_init(policy, seed: int) -> None:
-    """LeRobot's init (std 0.02) gives near-zero actions, where a wrong op hides; use ~unit-gain
-    weights instead: N(0, 1/fan_in) matrices, norms 1 + N(0, 0.1), biases N(0, 0.02)."""
-    g = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for name, p in sorted(policy.named_parameters()):
-            if "norm" in name and p.dim() == 1:
-                p.copy_(1 + 0.1 * torch.randn(p.shape, generator=g))
-            elif p.dim() == 1:
-                p.copy_(0.02 * torch.randn(p.shape, generator=g))
-            else:
-                fan_in = math.prod(p.shape[1:])
-                p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(fan_in))
-
-
-def _stats(layout: dict, g: torch.Generator) -> dict:
-    def one(dim):
-        mean = torch.randn(dim, generator=g)
-        std = 0.5 + torch.rand(dim, generator=g)
-        return {"mean": mean, "std": std, "min": mean - 3 * std, "max": mean + 3 * std}
-    return {"observation.state": one(layout["state_dim"]), "action": one(layout["action_dim"])}
 
 
 def build_policy(out: pathlib.Path, seed: int):
@@ -88,9 +64,8 @@ def build_policy(out: pathlib.Path, seed: int):
                         resize_imgs_with_padding=(image, image))
     torch.manual_seed(seed)
     policy = SmolVLAPolicy(cfg)
-    _decisive_init(policy, seed)
-    pre, post = make_smolvla_pre_post_processors(cfg, dataset_stats=_stats(
-        layout, torch.Generator().manual_seed(seed + 2)))
+    ck.decisive_init(list(policy.named_parameters()), seed)   # the numbers make_checkpoint draws
+    pre, post = make_smolvla_pre_post_processors(cfg, dataset_stats=ck.random_stats("tiny", seed))
     policy.save_pretrained(out)
     pre.save_pretrained(out)
     post.save_pretrained(out)

@@ -370,8 +370,8 @@ class Model(nn.Module):
             head.zero_()
             count.fill_(c.n_action_steps)
         a = state["actions.queue"][int(head)].clone()
-        head += 1
-        state["step"] += 1
+        head.add_(1)
+        state["step"].add_(1)
         return a
 
     # ---- weight-name mapping ----------------------------------------------------------

@@ -126,3 +126,120 @@ def write_vlm_dir(out, size: str) -> pathlib.Path:
     (out / "processor_config.json").write_text(json.dumps(
         {"processor_class": "SmolVLMProcessor", "image_seq_len": seq}, indent=2))
     return out
+
+
+# ---- the policy directory -------------------------------------------------------------------
+# LeRobot 0.4.4's SmolVLAConfig as it saves it (config.json), defaults; features filled per size.
+_LEROBOT_DEFAULTS = {
+    "type": "smolvla", "n_obs_steps": 1, "input_features": None, "output_features": None,
+    "device": "cpu", "use_amp": False, "use_peft": False, "push_to_hub": True, "repo_id": None,
+    "private": None, "tags": None, "license": None, "pretrained_path": None, "chunk_size": 50,
+    "n_action_steps": 50,
+    "normalization_mapping": {"VISUAL": "IDENTITY", "STATE": "MEAN_STD", "ACTION": "MEAN_STD"},
+    "max_state_dim": 32, "max_action_dim": 32, "resize_imgs_with_padding": None, "empty_cameras": 0,
+    "adapt_to_pi_aloha": False, "use_delta_joint_actions_aloha": False, "tokenizer_max_length": 48,
+    "num_steps": 10, "use_cache": True, "freeze_vision_encoder": True, "train_expert_only": True,
+    "train_state_proj": True, "optimizer_lr": 0.0001, "optimizer_betas": [0.9, 0.95],
+    "optimizer_eps": 1e-08, "optimizer_weight_decay": 1e-10, "optimizer_grad_clip_norm": 10,
+    "scheduler_warmup_steps": 1000, "scheduler_decay_steps": 30000, "scheduler_decay_lr": 2.5e-06,
+    "vlm_model_name": VLM_DIR, "load_vlm_weights": False, "add_image_special_tokens": False,
+    "attention_mode": "cross_attn", "prefix_length": -1, "pad_language_to": "longest",
+    "num_expert_layers": -1, "num_vlm_layers": 16, "self_attn_every_n_layers": 2,
+    "expert_width_multiplier": 0.75, "min_period": 0.004, "max_period": 4.0, "rtc_config": None,
+    "compile_model": False, "compile_mode": "max-autotune"}
+
+
+def policy_config(size: str) -> dict:
+    lay, image = policy_layout(size), _VISION[_check_size(size)]["image_size"]
+    feats = {f"observation.images.{cam}": {"type": "VISUAL", "shape": list(s)}
+             for cam, s in lay["cameras"].items()}
+    feats["observation.state"] = {"type": "STATE", "shape": [lay["state_dim"]]}
+    return dict(_LEROBOT_DEFAULTS, input_features=feats, num_vlm_layers=lay["num_vlm_layers"],
+                output_features={"action": {"type": "ACTION", "shape": [lay["action_dim"]]}},
+                resize_imgs_with_padding=[image, image])
+
+
+def decisive_init(named_params, seed: int) -> None:
+    """In place, in sorted-name order (the reference script and make_checkpoint draw the same
+    numbers): N(0, 1/fan_in) matrices, 1-D norm parameters 1 + N(0, 0.1), biases N(0, 0.02).
+    LeRobot's own init (std 0.02) gives near-zero actions, where a wrong op would hide."""
+    import math
+
+    import torch
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in sorted(named_params, key=lambda kv: kv[0]):
+            if "norm" in name and p.dim() == 1:
+                p.copy_(1 + 0.1 * torch.randn(p.shape, generator=g))
+            elif p.dim() == 1:
+                p.copy_(0.02 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(math.prod(p.shape[1:])))
+
+
+def random_stats(size: str, seed: int) -> dict:
+    """Dataset statistics for the state and action features: {key: {mean, std, min, max}}."""
+    import torch
+    lay, g = policy_layout(size), torch.Generator().manual_seed(seed + 2)
+
+    def one(dim):
+        mean, std = torch.randn(dim, generator=g), 0.5 + torch.rand(dim, generator=g)
+        return {"mean": mean, "std": std, "min": mean - 3 * std, "max": mean + 3 * std}
+    return {"observation.state": one(lay["state_dim"]), "action": one(lay["action_dim"])}
+
+
+def _write_processors(out: pathlib.Path, cfg: dict, stats: dict) -> None:
+    # policy_preprocessor.json / policy_postprocessor.json as LeRobot 0.4.4 saves SmolVLA's
+    from safetensors.torch import save_file
+    flat = {f"{k}.{s}": t.contiguous() for k, d in stats.items() for s, t in d.items()}
+    pre_file, post_file = ("policy_preprocessor_step_5_normalizer_processor.safetensors",
+                           "policy_postprocessor_step_0_unnormalizer_processor.safetensors")
+    save_file(flat, str(out / pre_file))
+    save_file(flat, str(out / post_file))
+    nmap, dev = cfg["normalization_mapping"], {"registry_name": "device_processor",
+                                               "config": {"device": "cpu", "float_dtype": None}}
+    pre = {"name": "policy_preprocessor", "steps": [
+        {"registry_name": "rename_observations_processor", "config": {"rename_map": {}}},
+        {"registry_name": "to_batch_processor", "config": {}},
+        {"registry_name": "smolvla_new_line_processor", "config": {}},
+        {"registry_name": "tokenizer_processor", "config": {
+            "max_length": cfg["tokenizer_max_length"], "task_key": "task", "padding_side": "right",
+            "padding": cfg["pad_language_to"], "truncation": True, "tokenizer_name": cfg["vlm_model_name"]}},
+        dev,
+        {"registry_name": "normalizer_processor", "config": {
+            "eps": 1e-08, "features": {**cfg["input_features"], **cfg["output_features"]},
+            "norm_map": nmap}, "state_file": pre_file}]}
+    post = {"name": "policy_postprocessor", "steps": [
+        {"registry_name": "unnormalizer_processor", "config": {
+            "eps": 1e-08, "features": cfg["output_features"], "norm_map": nmap},
+         "state_file": post_file}, dev]}
+    (out / "policy_preprocessor.json").write_text(json.dumps(pre, indent=2))
+    (out / "policy_postprocessor.json").write_text(json.dumps(post, indent=2))
+
+
+def make_smolvla(size: str, out_dir, seed: int = 0, dtype: str = "float32") -> pathlib.Path:
+    """A random-weight SmolVLA policy directory in LeRobot's format at `size` ("real": the
+    smolvla_base shape, ~450M parameters). Same numbers as bench/lerobot_reference.py for a seed."""
+    import torch
+    from safetensors.torch import save_file
+
+    from flashrt.models.smolvla import Model, SmolVLAConfig
+    out = pathlib.Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    write_vlm_dir(out / VLM_DIR, size)
+    cfg, vlm = policy_config(size), vlm_config(size)
+    with torch.device("meta"):
+        net = Model(SmolVLAConfig.from_lerobot(cfg, vlm))
+    hidden, vocab = vlm["text_config"]["hidden_size"], vlm["text_config"]["vocab_size"]
+    shapes = {net.lerobot_name(n): p.shape for n, p in net.named_parameters()}
+    shapes[Model.IGNORED[0]], shapes[Model.IGNORED[1]] = (vocab, hidden), (hidden,)
+    params = {n: torch.empty(s) for n, s in shapes.items()}
+    decisive_init(params.items(), seed)
+    want = getattr(torch, dtype)
+    save_file({n: t.to(want) for n, t in params.items()}, str(out / "model.safetensors"))
+    (out / "config.json").write_text(json.dumps(cfg, indent=4))
+    _write_processors(out, cfg, random_stats(size, seed))
+    (out / "flashrt_checkpoint.json").write_text(json.dumps(
+        {"arch": "smolvla", "size": size, "seed": seed, "dtype": dtype, "random_weights": True,
+         "note": "random weights: actions are meaningless"}, indent=2))
+    return out
