@@ -2,11 +2,9 @@
 num_vlm_layers Llama layers) and an action expert that denoises a chunk by flow matching.
 
 Order: config -> layers -> block -> model -> weight-name mapping (same in every model file).
-Batch 1 (a robot loop). State lives in named buffers handed in as `state` (name -> tensor),
-written in place: per layer the prefix K/V of the current chunk and the expert's re-projected
-cross-attention K/V (both computed once per chunk), the prefix mask/length, the action queue
-and its head/count, the noise RNG (seed, counter) and the control-step counter.
-Numerics follow lerobot/policies/smolvla (its RoPE with base 10000, eager attention in fp32).
+Batch 1 (a robot loop). All state is named buffers (`state_specs`) handed in as `state`
+(name -> tensor) and written in place. Numerics follow lerobot/policies/smolvla (its RoPE
+with base 10000, eager attention with fp32 scores).
 """
 from __future__ import annotations
 
@@ -58,8 +56,7 @@ class SmolVLAConfig:
         n_vlm = tc["num_hidden_layers"] if n_vlm <= 0 else n_vlm
         check(pol.get("num_expert_layers", -1) in (-1, 0, n_vlm), t, "num_expert_layers",
               f"{pol.get('num_expert_layers')} (only as many expert layers as VLM layers)")
-        heads = tc["num_attention_heads"]
-        hidden = tc["hidden_size"]
+        heads, hidden = tc["num_attention_heads"], tc["hidden_size"]
         e_hidden = int(hidden * pol.get("expert_width_multiplier", 0.75))
         feats = require(pol, "input_features", t)
         cams = tuple((k, tuple(v["shape"])) for k, v in feats.items() if v["type"] == "VISUAL")
@@ -126,10 +123,9 @@ class SelfAttn(nn.Module):
         self.v_proj = Linear(kv_in or hidden, kv_heads * head_dim, bias=False)
         self.o_proj = Linear(heads * head_dim, hidden, bias=False)
 
-    def qkv(self, x):
-        T = x.shape[0]
-        return (self.q_proj(x).view(T, self.h, self.d), self.k_proj(x).view(T, self.kv, self.d),
-                self.v_proj(x).view(T, self.kv, self.d))
+    def qkv(self, x):                                     # (T, hidden) -> (T, heads | kv_heads, D)
+        return tuple(p(x).unflatten(-1, (n, self.d)) for p, n in
+                     ((self.q_proj, self.h), (self.k_proj, self.kv), (self.v_proj, self.kv)))
 
 
 class VisionBlock(nn.Module):
@@ -165,23 +161,21 @@ class VisionTower(nn.Module):
         self.encoder = nn.Module()
         self.encoder.layers = nn.ModuleList(VisionBlock(c) for _ in range(c.v_layers))
         self.post_layernorm = nn.LayerNorm(c.v_hidden, eps=c.v_eps)
-        self.side = c.image_size // c.patch
+        self.side, self.patch = c.image_size // c.patch, c.patch
 
     def forward(self, pixels):                                       # (N, 3, H, W) in [-1, 1]
         e = self.embeddings
         x = e.patch_embedding(pixels.to(e.patch_embedding.weight.dtype)).flatten(2).transpose(1, 2)
-        x = x + e.position_embedding(self.position_ids(pixels.shape[2] // e.patch_embedding.stride[0],
-                                                       pixels.shape[3] // e.patch_embedding.stride[0],
-                                                       pixels.device))
+        x = x + e.position_embedding(self.position_ids(*pixels.shape[2:], pixels.device))
         for layer in self.encoder.layers:
             x = layer(x)
         return self.post_layernorm(x)                                # (N, P, v_hidden)
 
-    def position_ids(self, nh, nw, device):
+    def position_ids(self, height, width, device):
         # transformers' bucketing of fractional patch coordinates (identity at image_size)
         b = torch.arange(1 / self.side, 1.0, 1 / self.side, device=device)
-        ih = torch.bucketize(torch.arange(nh, device=device, dtype=torch.float32) / nh * (1 - 1e-6), b, right=True)
-        iw = torch.bucketize(torch.arange(nw, device=device, dtype=torch.float32) / nw * (1 - 1e-6), b, right=True)
+        ih, iw = (torch.bucketize(torch.arange(n, device=device, dtype=torch.float32) / n * (1 - 1e-6), b,
+                                  right=True) for n in (height // self.patch, width // self.patch))
         return (ih[:, None] * self.side + iw).flatten()
 
 
@@ -360,7 +354,8 @@ class Model(nn.Module):
         noise = self.draw_noise(state) if noise is None else noise
         self.fill_prefix(self.embed_images(inputs["pixels"]), inputs["tokens"], inputs["token_mask"],
                          inputs["state"], state)
-        return self.denoise(noise.reshape(self.config.chunk_size, -1).float(), state)[:, :self.config.action_dim]
+        x = self.denoise(noise.reshape(self.config.chunk_size, -1).float(), state)
+        return x[:, :self.config.action_dim]
 
     def select_action(self, inputs: dict, state, noise=None) -> torch.Tensor:
         """One normalised action (action_dim,); a new chunk only when the queue is empty."""
