@@ -1,11 +1,20 @@
 """LeRobot's own SmolVLA, built at a tiny shape with random weights: writes the golden files
 that tests/test_smolvla.py compares flashrt against (preprocessor -> policy -> postprocessor).
 
-Runs ONLY inside a LeRobot venv, never flashrt's (lerobot pins its own torch/transformers):
+Runs ONLY inside a LeRobot venv, never flashrt's. lerobot 0.4.4 pins torch<2.11 and imports
+torchvision at import time (lerobot.configs -> optim -> datasets.utils); PyPI's torchvision
+wheels are CUDA builds that need libtorch_cuda, so the local CPU torch 2.13.0 cannot serve and
+the venv takes PyPI's torch 2.10 (a CUDA build, multi-GB; it runs on CPU). lerobot itself goes
+in with --no-deps, then only what its SmolVLA import chain needs, at lerobot's pins:
 
-    python3.11 -m venv /work/lerobot-venv
-    /work/lerobot-venv/bin/pip install "lerobot==0.4.4" num2words      # pins torch 2.10, transformers 4.57
-    /work/lerobot-venv/bin/python bench/lerobot_reference.py            # -> tests/golden/smolvla_tiny/
+    python3.11 -m venv /work/lerobot-venv && P=/work/lerobot-venv/bin/pip
+    $P install "torch==2.10.*" "torchvision==0.25.*"
+    $P install --no-deps "lerobot==0.4.4"
+    $P install "transformers==4.57.*" "huggingface-hub>=0.34.2,<0.36" "draccus==0.10.0" \
+        "datasets>=4,<5" "diffusers>=0.27.2,<0.36" "accelerate>=1.10,<2" "einops>=0.8,<0.9" \
+        "pyserial>=3.5,<4" "deepdiff>=7.0.1,<9" "av>=15,<16" "gymnasium>=1.1.1,<2" \
+        "imageio>=2.34,<3" pillow num2words "packaging>=24.2,<26" "setuptools>=71,<81"
+    /work/lerobot-venv/bin/python bench/lerobot_reference.py     # -> tests/golden/smolvla_tiny/
 
 What it writes (random weights, seeded; nothing comes from a hub):
 - the policy exactly as LeRobot saves it: config.json, model.safetensors (LeRobot's parameter
