@@ -184,6 +184,8 @@ def test_bad_observation_is_refused_before_any_state_changes(policy):
 
 
 def test_small_checkpoint_loads_and_runs(tmp_path):
+    with pytest.raises(ValueError, match="'huge'"):
+        make_checkpoint("smolvla", "huge", tmp_path / "h")
     net, proc = load(make_checkpoint("smolvla", "small", tmp_path / "s", seed=3))
     c = net.config
     obs = {k: torch.rand(s) for k, s in c.cameras}
