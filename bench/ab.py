@@ -1,0 +1,86 @@
+"""A/B two builds with one benchmark: runs alternate (A, B, A, B, ...) in one session, so drift
+on a shared machine hits both; each timed cell is compared across the runs.
+
+    python bench/ab.py --a OLD_TREE --a-python OLD_VENV/bin/python --runs 5 -- \
+        bench/capsules.py --arch qwen3 --mib 1 4 16 64 --no-progress
+
+A cell ("12.3 [11.0-14.1]" ms, or a "1.15x" ratio) regresses in B when B's median over the runs
+is more than 5% worse than A's and outside A's interquartile range. Prints every cell and
+writes bench/results/ab-<bench>.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+_NUM = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*(x?)")
+
+
+def cells(payload: dict) -> dict:
+    """{(table, row label, column): value} for every ms or ratio cell (lower is better)."""
+    out = {}
+    for t in payload.get("tables", []):
+        for row in t["rows"]:
+            label = " / ".join(str(c) for c in row[:2])
+            for h, c in zip(t["headers"], row):
+                m = _NUM.match(str(c))
+                if m and ("ms" in h or "ratio" in h or m.group(2) == "x"):
+                    out[(t["title"], label, h)] = float(m.group(1))
+    return out
+
+
+def quartiles(xs):
+    q = statistics.quantiles(xs, n=4, method="inclusive") if len(xs) > 1 else [xs[0]] * 3
+    return q[0], q[2]
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="bench/ab.py", description=__doc__.split("\n")[0])
+    p.add_argument("--a", required=True, help="the baseline tree (e.g. a git worktree)")
+    p.add_argument("--a-python", default=sys.executable)
+    p.add_argument("--b", default=str(ROOT), help="the candidate tree (default: this one)")
+    p.add_argument("--b-python", default=sys.executable)
+    p.add_argument("--runs", type=int, default=5)
+    p.add_argument("--out", default=None)
+    p.add_argument("bench", nargs=argparse.REMAINDER, help="-- script.py [its arguments]")
+    a = p.parse_args(argv)
+    cmd = [x for x in a.bench if x != "--"]
+    tmp = Path(tempfile.mkdtemp(prefix="ab-"))
+    runs = {"A": [], "B": []}
+    for i in range(a.runs):
+        for side, tree, py in (("A", a.a, a.a_python), ("B", a.b, a.b_python)):
+            out = tmp / f"{side}{i}.json"
+            subprocess.run([py, str(Path(tree) / cmd[0]), *cmd[1:], "--out", str(out)], cwd=tree,
+                           check=True, stdout=subprocess.DEVNULL)
+            runs[side].append(cells(json.loads(out.read_text())))
+            print(f"run {i + 1}/{a.runs} {side} done", flush=True)
+    keys = [k for k in runs["A"][0] if all(k in r for r in runs["A"] + runs["B"])]
+    rows, bad = [], []
+    for k in keys:
+        va, vb = [r[k] for r in runs["A"]], [r[k] for r in runs["B"]]
+        ma, mb = statistics.median(va), statistics.median(vb)
+        qa = quartiles(va)
+        worse = mb > ma * 1.05 and mb > qa[1]
+        rows.append({"cell": list(k), "A": va, "B": vb, "median_A": ma, "median_B": mb,
+                     "iqr_A": qa, "iqr_B": quartiles(vb), "regression": worse})
+        bad += [k] if worse else []
+        print(f"{'REGRESSION' if worse else 'ok        '} {k[0][:40]} | {k[1]} | {k[2]}: "
+              f"A {ma:.3g} [{qa[0]:.3g}-{qa[1]:.3g}]  B {mb:.3g}  B/A {mb / ma:.2f}")
+    name = Path(cmd[0]).stem
+    out = Path(a.out or ROOT / "bench" / "results" / f"ab-{name}.json")
+    out.write_text(json.dumps({"command": " ".join(["python bench/ab.py", *(argv or sys.argv[1:])]),
+                               "a": a.a, "b": a.b, "runs": a.runs, "cells": rows,
+                               "regressions": [list(k) for k in bad]}, indent=1))
+    print(f"{len(bad)} regression(s) of {len(keys)} cells; wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
