@@ -74,7 +74,8 @@ def check_contract(net, dtype: torch.dtype) -> None:
 
 
 class Policy:
-    """A policy session (batch 1) over a policy model's weights; forks share the weights."""
+    """A policy session (batch 1) over a policy model's weights; forks share the weights.
+    fingerprint: a flashrt.loader.LoadedModel's when loaded from disk; default: computed."""
 
     def __init__(self, net, fingerprint: dict | None = None, seed: int = 0,
                  provenance: dict | None = None):
@@ -89,13 +90,11 @@ class Policy:
         self._lock = threading.RLock()
         self.seed(seed)
 
-    @classmethod
-    def from_loaded(cls, model, seed: int = 0) -> "Policy":
-        """Over a flashrt.loader.LoadedModel (a checkpoint directory's weights and fingerprint)."""
-        return cls(model.net, model.fingerprint, seed, {"linear": model.linear_kernel})
-
     position = property(lambda self: self.session.position)
     fingerprint = property(lambda self: self.session.fingerprint)
+
+    def layout(self) -> str:
+        return self.arena.table()
 
     @property
     def queue_length(self) -> int:

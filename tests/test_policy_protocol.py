@@ -68,9 +68,12 @@ def test_queue_runs_a_chunk_every_n_action_steps(net):
     assert not torch.equal(a, ref.predict_action_chunk(obs(1)))
 
 
-def test_mid_chunk_snapshot_continues_bitwise(net):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mid_chunk_snapshot_continues_bitwise(net, dtype):
     """Snapshot 2 actions into the second chunk; after an excursion, a restore (and a fork)
     hand out exactly the actions of the run that never left, across later chunks."""
+    if dtype != torch.float32:
+        net = random_model(CFG, seed=0, dtype=dtype)
     ref, p = Policy(net, seed=1), Policy(net, seed=1)
     want = run(ref, 0, 20)
     got = run(p, 0, 7)
