@@ -11,6 +11,7 @@ smallest, a SmolVLA or pi0 file follows the same):
     prefix_len     rows of prefix K/V one chunk writes (the session's capacity)
     obs_shapes     {name: shape} of one observation, batch 1 without a batch dim
     noise_shape    (chunk_size, action_dim) of the flow-matching noise
+    model_type, config (a dataclass)   what the default fingerprint digests, with the weights
   state_specs(capacity, dtype) declares, besides its own buffers (prefix K/V: per-token rows
   [0, prefix_len), kind kv, rewritten at every chunk):
     actions.queue  (n_action_steps, action_dim) float32, fixed-size capsule kind: the chunk
@@ -111,7 +112,7 @@ class Policy:
         """Every refusal happens here, before any state is written."""
         want = self.net.obs_shapes
         if not isinstance(obs, dict) or set(obs) != set(want):
-            got = sorted(obs) if isinstance(obs, dict) else type(obs).__name__
+            got = sorted(obs, key=str) if isinstance(obs, dict) else type(obs).__name__
             raise ValueError(f"observation: expected a dict with keys {sorted(want)}, got {got}")
         named = [(f"observation {k!r}", obs[k], tuple(s)) for k, s in want.items()]
         for what, t, shape in named + ([("noise", noise, tuple(self.net.noise_shape))]
