@@ -6,6 +6,8 @@ carries it, and the same (seed, counter, logits) always gives the same token on 
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 _M64 = 1 << 64
@@ -37,6 +39,23 @@ def uniform(rng: torch.Tensor) -> torch.Tensor:
     z = _splitmix64(_splitmix64(rng[0:1]) ^ rng[1:2])
     rng[1:2].add_(1)
     return _shr(z, 11).double() * (1.0 / (1 << 53))
+
+
+def uniforms(rng: torch.Tensor, n: int) -> torch.Tensor:
+    """n draws in [0, 1) as float64 (shape (n,)): the same values as n calls of uniform()."""
+    counters = rng[1:2] + torch.arange(n, device=rng.device)
+    z = _splitmix64(_splitmix64(rng[0:1]) ^ counters)
+    rng[1:2].add_(n)
+    return _shr(z, 11).double() * (1.0 / (1 << 53))
+
+
+def normal(rng: torch.Tensor, shape: tuple) -> torch.Tensor:
+    """Standard normal float32 of `shape` (Box-Muller over 2 * numel draws, float64 math);
+    e.g. a policy's flow-matching noise, carried by capsules with the rng buffer."""
+    n = math.prod(shape)
+    u = uniforms(rng, 2 * n)
+    r = torch.sqrt(-2.0 * torch.log1p(-u[:n]))       # 1 - u in (0, 1]: the log is finite
+    return (r * torch.cos((2 * math.pi) * u[n:])).float().view(shape)
 
 
 def seed_rng(rng: torch.Tensor, seed: int) -> None:

@@ -10,6 +10,7 @@ MODEL_TYPES = {
     "qwen3": "qwen3",
     "qwen3_5": "qwen3_5", "qwen3_5_text": "qwen3_5",
     "lfm2": "lfm2",
+    "tiny_vla": "tiny_vla",
 }
 
 
