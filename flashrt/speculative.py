@@ -332,6 +332,15 @@ def _steps(rt, k: int):
     return s
 
 
+def last_stats(rt) -> dict | None:
+    """Counters of the session's last speculative generate call (None before any): rounds,
+    drafted, accepted, reprefills, and per draft position j (lists of length draft_tokens)
+    reached_at[j] (draft j verified with drafts < j all accepted) and accepted_at[j], so
+    accepted_at[j] / reached_at[j] is position j's conditional acceptance rate."""
+    s = getattr(rt, "_spec_stats", None)
+    return None if s is None else {k: list(v) if isinstance(v, list) else v for k, v in s.items()}
+
+
 def pending_token(rt) -> int | None:
     """The token the drafts continue (chosen, not yet committed), while a drafter runs."""
     return getattr(rt, "_spec_pending", None)
@@ -391,7 +400,9 @@ class _Generation:
         self.bl_h: list[torch.Tensor] = []
         self.bl_t: list[int] = []
         self.bl_r0 = 0
-        self.stats = {"rounds": 0, "drafted": 0, "accepted": 0, "reprefills": 0}
+        # per draft position j: rounds that verified draft j after accepting 1..j-1, and accepted it
+        self.stats = {"rounds": 0, "drafted": 0, "accepted": 0, "reprefills": 0,
+                      "reached_at": [0] * k, "accepted_at": [0] * k}
 
     # -- helpers ---------------------------------------------------------------------------
     def _t(self, ids) -> torch.Tensor:
@@ -542,6 +553,9 @@ class _Generation:
             self._commit(toks[:n], L[-1])      # verify: L has n rows; re-prefill: the last
             self.stats["drafted"] += len(drafts)
             self.stats["accepted"] += n_acc
+            for j in range(min(n_acc + 1, len(drafts))):
+                self.stats["reached_at"][j] += 1
+                self.stats["accepted_at"][j] += j < n_acc
         self.stats["rounds"] += 1
         stopped = any(t in stops for t in toks[:n])
         if self.has_mtp:
