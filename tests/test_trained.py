@@ -101,27 +101,27 @@ def test_tokenizer_round_trip_and_chat_template(path, rt):
 def test_speculative_greedy_equals_plain(rt, k):
     """Top-2 margin rule: wherever plain greedy's top-2 gap exceeds 1e-3 the tokens agree, up
     to the first near-tie (after one the continuations may legitimately part)."""
-    for text in PROMPTS:
+    for text in PROMPTS[:2]:
         ids = rt.tokenizer.encode(text)
-        ref, ref_logits = _plain(rt, ids, 32)
+        ref, ref_logits = _plain(rt, ids, 24)
         rt.reset()
-        out = rt.generate(ids, max_new_tokens=32, ignore_eos=True, speculative="mtp", draft_tokens=k)
+        out = rt.generate(ids, max_new_tokens=24, ignore_eos=True, speculative="mtp", draft_tokens=k)
         top2 = ref_logits.topk(2, -1).values
         for i, (a, b) in enumerate(zip(out, ref)):
             if float(top2[i, 0] - top2[i, 1]) <= 1e-3:
                 break
             assert a == b, (text, i)
-        assert len(out) == 32 and rt.tokens == ids + out
+        assert len(out) == 24 and rt.tokens == ids + out
 
 
 def test_mtp_acceptance_is_well_above_zero(rt):
-    """Greedy MTP drafts, k = 2, these 4 prompts x 48 tokens: 0.547 of drafts accepted (99/181)
+    """Greedy MTP drafts, k = 2, these 4 prompts x 32 tokens: 0.550 of drafts accepted (66/120)
     when this test was written (bench/speculative.py --sizes trained, 8 held-out prompts: 0.68);
     random weights accept ~0. Floor 0.25: under half the measured rate, ~1000x chance (1/4096)."""
     drafted = accepted = 0
     for text in PROMPTS:
         rt.reset()
-        rt.generate(rt.tokenizer.encode(text), max_new_tokens=48, ignore_eos=True,
+        rt.generate(rt.tokenizer.encode(text), max_new_tokens=32, ignore_eos=True,
                     speculative="mtp", draft_tokens=2)
         st = last_stats(rt)
         assert st["accepted"] == sum(st["accepted_at"]) and st["reached_at"][0] <= st["rounds"]
