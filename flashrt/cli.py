@@ -95,7 +95,8 @@ def main(argv=None) -> int:
     g.set_defaults(fn=cmd_generate)
     d = sub.add_parser("demo", help="the README demo on the shipped model trained on Python's stdlib")
     d.add_argument("--model", default=None, help="checkpoint directory (default: the shipped trained model)")
-    d.add_argument("--random", action="store_true", help="a random-weight checkpoint of --arch/--size instead")
+    d.add_argument("--random", action="store_true",
+                   help="a random-weight checkpoint of --arch/--size instead")
     d.add_argument("--arch", default="qwen3_5", help="with --random")
     d.add_argument("--size", default="small", help="with --random")
     d.add_argument("--prefix", type=int, default=512, help="prefix tokens for the TTFT comparison")

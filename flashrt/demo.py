@@ -25,7 +25,8 @@ def _ms(f, n=3, sync=False):
 
 
 PROMPTS = ("import os\n\n\ndef read_lines(path):\n    with open(path) as f:\n        return",
-           "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n        self",
+           "class Stack:\n    def __init__(self):\n        self.items = []\n\n"
+           "    def push(self, item):\n        self",
            "    if not isinstance(name, str):\n        raise TypeError(")
 
 

@@ -1,6 +1,6 @@
 """Train the default model: a small Qwen3.5-shaped hybrid on the running interpreter's stdlib.
 
-    python -m flashrt.train --out DIR            # ~12 min on 2 CPU cores (seeded)
+    python -m flashrt.train --out DIR     # seeded; 15 min on the shared 2-core machine (1 thread)
 
 Corpus: every *.py under sysconfig.get_paths()["stdlib"] (site-packages excluded), sorted by
 path; every `--val-every`-th file is held out. Tokenizer: byte-level BPE trained on the
@@ -278,14 +278,17 @@ def main(argv=None) -> int:
         "seed": a.seed, "dtype": a.save_dtype, "mtp": True,
         "params": n_params, "params_embedding": n_embed,
         "corpus": {"source": "Python standard library *.py (sysconfig stdlib, site-packages excluded)",
-                   "python": sys.version.split()[0], "files": len(files), "train_files": len(train_files),
-                   "heldout_files": len(val_files), "heldout_rule": f"every {a.val_every}th file in sorted order",
+                   "python": sys.version.split()[0], "files": len(files),
+                   "train_files": len(train_files), "heldout_files": len(val_files),
+                   "heldout_rule": f"every {a.val_every}th file in sorted order",
                    "train_tokens": train_ids.numel(), "heldout_tokens": val_ids.numel()},
-        "training": {"steps": a.steps, "batch": a.batch, "seq": a.seq, "tokens_seen": a.steps * a.batch * a.seq,
-                     "lr": a.lr, "min_lr": a.min_lr, "warmup": a.warmup, "schedule": "linear warmup + cosine",
+        "training": {"steps": a.steps, "batch": a.batch, "seq": a.seq,
+                     "tokens_seen": a.steps * a.batch * a.seq, "lr": a.lr, "min_lr": a.min_lr,
+                     "warmup": a.warmup, "schedule": "linear warmup + cosine",
                      "optimizer": "AdamW(0.9, 0.95)", "weight_decay": a.weight_decay,
                      "mtp_weight": a.mtp_weight, "bf16_autocast": a.bf16_autocast, "threads": a.threads,
-                     "train_seconds": round(t_train, 1), "total_seconds": round(time.perf_counter() - t_start, 1),
+                     "train_seconds": round(t_train, 1),
+                     "total_seconds": round(time.perf_counter() - t_start, 1),
                      "torch": torch.__version__},
         "heldout": {"windows": int(windows.shape[0]), "tokens": int(windows.numel()),
                     "main_loss": round(val_main, 4), "mtp_loss": round(val_mtp, 4)},

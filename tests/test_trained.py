@@ -15,7 +15,8 @@ from flashrt.speculative import last_stats
 
 PROMPTS = (
     "import os\nimport sys\n\n\ndef main(argv):\n    if len(argv) < 2:\n",
-    "class Queue:\n    \"\"\"A FIFO queue.\"\"\"\n\n    def __init__(self, maxsize=0):\n        self.maxsize = maxsize\n",
+    "class Queue:\n    \"\"\"A FIFO queue.\"\"\"\n\n"
+    "    def __init__(self, maxsize=0):\n        self.maxsize = maxsize\n",
     "    def __repr__(self):\n        return '%s(%r)' % (self.__class__.__name__, self.",
     "def _check_arg(name, value):\n    if not isinstance(value, str):\n        raise TypeError(",
 )
