@@ -130,3 +130,34 @@ def test_mtp_acceptance_is_well_above_zero(rt):
     rate = accepted / drafted
     print(f"MTP acceptance k=2: {rate:.3f} ({accepted}/{drafted})")
     assert rate >= 0.25
+
+
+def test_train_script_is_seeded_and_writes_a_loadable_checkpoint(tmp_path):
+    """flashrt.train end to end on a small corner of the stdlib (json/, 2 steps, tiny dims):
+    twice with the same seed gives the same weights and tokenizer; flashrt loads the result
+    with its MTP layer and matches transformers."""
+    import sysconfig
+    from flashrt.train import main
+    root = sysconfig.get_paths()["stdlib"] + "/json"
+    args = ["--stdlib", root, "--val-every", "3", "--vocab", "320", "--hidden", "64",
+            "--intermediate", "128", "--heads", "2", "--kv-heads", "1", "--head-dim", "32",
+            "--linear-k-heads", "1", "--linear-v-heads", "2", "--linear-head-dim", "32",
+            "--seq", "64", "--batch", "2", "--steps", "2", "--warmup", "1", "--val-windows", "2",
+            "--eval-every", "2"]
+    outs = [tmp_path / "a", tmp_path / "b"]
+    threads = torch.get_num_threads()
+    with torch.random.fork_rng(devices=[]):     # main() seeds and sets threads: leave ours alone
+        try:
+            for out in outs:
+                assert main(["--out", str(out)] + args) == 0
+        finally:
+            torch.set_num_threads(threads)
+    for name in ("model.safetensors", "tokenizer.json", "config.json"):
+        assert (outs[0] / name).read_bytes() == (outs[1] / name).read_bytes(), name
+    info = json.loads((outs[0] / "flashrt_checkpoint.json").read_text())
+    assert info["trained"] and info["heldout"]["main_loss"] > 0
+    rt = flashrt.load(outs[0], dtype="float32", max_seq_len=128)
+    assert rt.net.has_mtp
+    ids = rt.tokenizer.encode('import json\nprint(json.dumps({"a": 1}))\n')
+    ref = hf_logits(hf_reference(outs[0]), ids)
+    assert (rt.prefill(ids, all_logits=True) - ref).abs().max().item() <= 1e-4
