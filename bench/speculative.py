@@ -12,7 +12,11 @@ capsule first, untimed):
   planes estimate   mechanism (a)'s extra work: the per-token recurrent GDN rule instead of the
                     chunked one over k+1 tokens (all GDN layers) + copying k+1 state planes
 Acceptance is measured by running speculative generate; with random weights the MTP layer and
-the main model are unrelated, so it accepts almost nothing (the JSON says so). Tokens/s as a
+the main model are unrelated, so it accepts almost nothing (the JSON says so). The model trained
+here (`--sizes trained`: flashrt/assets/pystdlib-qwen35, `python -m flashrt.train`) has a trained
+MTP layer: on prompts cut from the stdlib files it held out, its acceptance per draft position
+for each k and plain vs speculative tokens/s are measured side by side, next to the break-even
+acceptance modeled from this run's step costs. Tokens/s as a
 function of a per-token acceptance probability a comes from the measured costs:
   E[tokens per round] = (1 - a^(k+1)) / (1 - a)
   E[cost per round]   = sum_j P(j accepted) * (mtp(first) + (k-1) mtp(1) + snapshot + verify k
@@ -20,13 +24,14 @@ function of a per-token acceptance probability a comes from the measured costs:
 End-to-end generate runs with an oracle drafter (a = 1: it proposes plain greedy's own tokens)
 and an always-wrong one (a = 0) check the model against wall clock.
 
-    python bench/speculative.py                 # qwen3_5 tiny and small, k = 1..4, CPU
+    python bench/speculative.py                 # trained model, qwen3_5 tiny and small, k = 1..4
+    python bench/speculative.py --sizes trained # only the model trained on the stdlib
     python bench/speculative.py --full          # + the real Qwen3.5-0.8B shape
     python bench/speculative.py --quick         # tiny, one repeat
 """
 from __future__ import annotations
 
-
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -42,15 +47,19 @@ def parse(argv):
     p = C.base_parser("bench/speculative.py", "Speculative decoding (Qwen3.5 MTP): step costs, "
                       "acceptance, tokens/s vs acceptance rate")
     p.add_argument("--full", action="store_true", help="add the real Qwen3.5-0.8B shape")
-    p.add_argument("--sizes", default=None, help="comma list of qwen3_5 sizes (default tiny,small; "
-                   "tiny in --quick; tiny,small,real with --full)")
+    p.add_argument("--sizes", default=None, help="comma list of qwen3_5 sizes or 'trained' (default "
+                   "trained,tiny,small; trained,tiny in --quick; + real with --full)")
+    p.add_argument("--prompts", type=int, default=None, help="held-out prompts for the trained "
+                   "model's acceptance (default 8; 2 quick)")
     p.add_argument("--ks", type=int, nargs="+", default=[1, 2, 3, 4], help="draft lengths")
     p.add_argument("--context", type=int, default=None, help="context length (default 128; 32 quick)")
     p.add_argument("--gen", type=int, default=None, help="tokens per end-to-end run (default 48; 16 quick)")
     a = p.parse_args(argv)
     C.setup(a)
     a.sizes = (a.sizes.split(",") if a.sizes else
-               ["tiny"] if a.quick else ["tiny", "small", "real"] if a.full else ["tiny", "small"])
+               ["trained", "tiny"] if a.quick else ["trained", "tiny", "small", "real"] if a.full
+               else ["trained", "tiny", "small"])
+    a.prompts = a.prompts or (2 if a.quick else 8)
     a.context = a.context or (32 if a.quick else 128)
     a.gen = a.gen or (16 if a.quick else 48)
     a.repeats = a.repeats or (1 if a.quick else 5)
@@ -89,15 +98,16 @@ def bench_size(size, a, tables):
     import flashrt.speculative as S
     from flashrt.linear_attn import chunk_gated_delta_rule, recurrent_gated_delta_rule
 
-    path = C.checkpoint("qwen3_5", size)
-    lab = C.label("qwen3_5", size)
+    trained = size == "trained"
+    path = trained_path() if trained else C.checkpoint("qwen3_5", size)
+    lab = "qwen3_5/trained (pystdlib)" if trained else C.label("qwen3_5", size)
     kmax = max(a.ks)
     rt = C.load_flashrt(path, a, max_seq_len=a.context + 2 * a.gen + 4 * kmax + 16)
     net, ar, dev = rt.net, rt.arena, a.device
     if not net.has_mtp:
         raise SystemExit(f"{path}: no MTP weights")
     vocab = net.vocab_size
-    prompt = C.random_ids(a.context, vocab, seed=1)
+    prompt = heldout_prompts(rt, 1, a.context)[0] if trained else C.random_ids(a.context, vocab, seed=1)
     rt.generate(prompt, max_new_tokens=1, speculative="mtp")   # MTP rows of the prompt filled
     P = rt.position
     base = rt.snapshot()
@@ -206,7 +216,7 @@ def bench_size(size, a, tables):
             t0 = time.perf_counter()
             out += r.generate(max_new_tokens=a.gen, **kw)
             s = time.perf_counter() - t0
-            stats = dict(r.speculation().stats)
+            stats = S.last_stats(r)
             rate = stats["accepted"] / max(1, stats["drafted"])
             e2e[f"{name} k={k}"] = {"tok_s": a.gen / s, "acceptance": rate, "stats": stats,
                                     "same_as_plain": out == ref}
@@ -225,8 +235,9 @@ def bench_size(size, a, tables):
                     modeled(ms, k, rate)["ms_per_round_b"] - ms["draft"][k])
             te.add(name, k, f"{e['acceptance']:.3f}", f"{e['tok_s']:.1f}",
                    C.fmt_ratio(e["tok_s"] / e2e["plain"]["tok_s"]), f"{m:.1f}", e["same_as_plain"])
-    te.notes += ["random weights: the MTP layer and the main model are unrelated, so MTP drafts are "
-                 "accepted almost never; the oracle/wrong drafters pin acceptance at 1 and 0",
+    te.notes += [("trained model, one held-out prompt (see the acceptance table for more)" if trained else
+                  "random weights: the MTP layer and the main model are unrelated, so MTP drafts are "
+                  "accepted almost never") + "; the oracle/wrong drafters pin acceptance at 1 and 0",
                  "wall clock of generate() after the prompt: includes the end-of-call MTP flush and "
                  "commit of the pending token; modeled tok/s is per decoding round only"]
     tables.append(te)
@@ -249,10 +260,99 @@ def bench_size(size, a, tables):
                  ", ".join(f"k={k}: {break_even(ms, k)}" for k in a.ks),
                  "(a) est.: per-step state planes instead of snapshot/restore/re-prefill (estimate)"]
     tables.append(tm)
-    return {"size": size, "checkpoint": C.short_path(path), "context": P, "ms": ms,
+    out = {"size": size, "checkpoint": C.short_path(path), "context": P, "ms": ms,
             "stats": {n: s for n, s in st.items()}, "acceptance_mtp": acc, "end_to_end": e2e,
             "modeled": curve, "break_even": {k: break_even(ms, k) for k in a.ks},
-            "acceptance_note": "random weights: MTP drafts are essentially never accepted"}
+            "acceptance_note": "trained MTP layer" if trained else
+            "random weights: MTP drafts are essentially never accepted"}
+    if trained:
+        out["trained"] = trained_acceptance(rt, ms, a, tables)
+    return out
+
+
+# ---- the trained model: acceptance per draft position on held-out code ----------------------
+def trained_path():
+    from flashrt.assets import trained_model_path
+    return trained_model_path()
+
+
+def heldout_prompts(rt, n: int, length: int) -> list:
+    """`length` tokens from the middle of each of the first n held-out stdlib files (the files
+    flashrt.train held out: every val_every-th in sorted order) long enough to hold them."""
+    from flashrt.train import corpus_files
+    every = int(rt.model.info["corpus"]["heldout_rule"].split()[1].rstrip("thsnrd"))
+    out = []
+    for f in corpus_files()[::every]:
+        ids = rt.tokenizer.encode(f.read_text(encoding="utf-8", errors="replace"))
+        if len(ids) >= 2 * length:
+            out.append(ids[len(ids) // 2: len(ids) // 2 + length])
+        if len(out) == n:
+            return out
+    raise SystemExit(f"only {len(out)} held-out files hold {2 * length} tokens")
+
+
+def trained_acceptance(rt, ms: dict, a, tables) -> dict:
+    """Per prompt, plain greedy then MTP k = 1..4 back to back (wall clock, after the prompt)."""
+    import flashrt.speculative as S
+    prompts = heldout_prompts(rt, a.prompts, a.context)
+    runs = {"plain": None, **{k: None for k in a.ks}}
+    tot = {name: {"s": 0.0, "tokens": 0, "same": 0, "per_prompt_s": []} for name in runs}
+    counts = {k: {"reached_at": [0] * k, "accepted_at": [0] * k, "rounds": 0, "drafted": 0,
+                  "accepted": 0} for k in a.ks}
+    for prompt in C.progress(prompts, desc="trained acceptance"):
+        ref = None
+        for name in runs:
+            r = rt.fork()
+            r.reset()
+            kw = {} if name == "plain" else dict(speculative="mtp", draft_tokens=name)
+            first = r.generate(prompt, max_new_tokens=1, ignore_eos=True, **kw)
+            t0 = time.perf_counter()
+            out = first + r.generate(max_new_tokens=a.gen, ignore_eos=True, **kw)
+            tot[name]["s"] += time.perf_counter() - t0
+            tot[name]["per_prompt_s"].append(time.perf_counter() - t0)
+            tot[name]["tokens"] += a.gen
+            ref = out if name == "plain" else ref
+            tot[name]["same"] += out == ref
+            if name != "plain":
+                st = S.last_stats(r)
+                c = counts[name]
+                for key in ("rounds", "drafted", "accepted"):
+                    c[key] += st[key]
+                for key in ("reached_at", "accepted_at"):
+                    c[key] = [x + y for x, y in zip(c[key], st[key])]
+            r.close()
+    plain_tps = tot["plain"]["tokens"] / tot["plain"]["s"]
+    t = C.Table(f"qwen3_5/trained: MTP acceptance on {len(prompts)} held-out stdlib prompts "
+                f"({a.context} tokens each, {a.gen} greedy tokens; {a.device}, {a.dtype})",
+                ["k", "accepted / drafted", "per position j=1..k: accepted/reached", "pooled a",
+                 "break-even a", "tok/s plain", "tok/s MTP", "MTP/plain", "median per prompt",
+                 "= plain greedy"])
+    res = {"prompts": len(prompts), "plain_tok_s": plain_tps, "per_k": {}}
+    for k in a.ks:
+        c = counts[k]
+        pos = [c["accepted_at"][j] / max(1, c["reached_at"][j]) for j in range(k)]
+        pooled = sum(c["accepted_at"]) / max(1, sum(c["reached_at"]))
+        tps = tot[k]["tokens"] / tot[k]["s"]
+        be = break_even(ms, k)
+        per = statistics.median(p / m for p, m in zip(tot["plain"]["per_prompt_s"], tot[k]["per_prompt_s"]))
+        t.add(k, f"{c['accepted'] / max(1, c['drafted']):.3f}",
+              " ".join(f"{p:.2f}" for p in pos), f"{pooled:.3f}", "-" if be is None else f"{be:.2f}",
+              f"{plain_tps:.1f}", f"{tps:.1f}", C.fmt_ratio(tps / plain_tps), C.fmt_ratio(per),
+              f"{tot[k]['same']}/{len(prompts)}")
+        res["per_k"][k] = {**c, "acceptance": c["accepted"] / max(1, c["drafted"]),
+                           "per_position": pos, "pooled_a": pooled, "break_even_a": be,
+                           "tok_s": tps, "speedup": tps / plain_tps, "speedup_median_prompt": per,
+                           "same_as_plain": tot[k]["same"]}
+    t.notes += ["per position j: P(draft j accepted | drafts 1..j-1 accepted), from "
+                "flashrt.speculative.last_stats; pooled a = all accepted / all reached (the per-token "
+                "rate of the model behind break-even)",
+                "break-even a: smallest per-token acceptance at which the modeled mechanism (b) beats "
+                "plain decode, from this run's step costs (table above); None: never at k",
+                "tok/s: wall clock of generate() after the prompt, summed over prompts; plain and MTP "
+                "runs alternate per prompt; median per prompt: of the per-prompt MTP/plain speed ratios; "
+                "'= plain greedy': identical token lists (near-ties may part)"]
+    tables.append(t)
+    return res
 
 
 def main(argv=None) -> int:
@@ -267,11 +367,12 @@ def main(argv=None) -> int:
     for size in a.sizes:
         results.append(bench_size(size, a, tables))
     C.print_tables(tables)
-    print(C.RANDOM_NOTE)
+    print(C.RANDOM_NOTE + " (except qwen3_5/trained: trained here on the Python stdlib)")
     data = {"ks": a.ks, "context": a.context, "gen": a.gen, "repeats": a.repeats,
             "warmup": a.warmup, "rates": list(RATES), "results": results,
             "mechanism": "(b) fixed-state capsule + restore + re-prefill on partial acceptance"}
-    C.write_json("speculative", a, info, tables, data, argv)
+    C.write_json("speculative-trained" if a.sizes == ["trained"] else "speculative", a, info, tables,
+                 data, argv)
     ok = all(r["end_to_end"][f"{n} k={k}"]["same_as_plain"] for r in results for k in a.ks
              for n in ("oracle a=1", "wrong a=0"))
     return 0 if ok else 1

@@ -11,9 +11,7 @@ into 256 KiB blocks; each block has its XXH3-64 (seed 0), and the checksum is th
 header as written (length prefix included) with the 16 hex digits of the checksum value read as
 "0000000000000000", followed by the block digests as little-endian u64s. No flipped byte
 anywhere goes unnoticed, and the blocks are independent: save hashes them on every core, and
-load hashes each one right after reading it, while it is in cache (version 1 chained one XXH64
-over the whole file: one core, and a second pass over the bytes). XXH3 runs 2.7x faster than
-XXH64 per core on the CI machine (AVX2), so checking a file costs little next to reading it.
+load hashes each one right after reading it, while it is in cache.
 
 Reading: a load(into=) of a file whose entry table the target already holds runs in one native
 call (csrc/capsule_file.cpp: header, metadata, payload, checksums); every other file, and any

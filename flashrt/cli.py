@@ -43,7 +43,8 @@ def cmd_generate(args) -> int:
 
 def cmd_demo(args) -> int:
     from flashrt.demo import run_demo
-    return run_demo(arch=args.arch, size=args.size, prefix=args.prefix, device=args.device)
+    return run_demo(arch=args.arch, size=args.size, prefix=args.prefix, device=args.device,
+                    random=args.random, model=args.model)
 
 
 def cmd_make_checkpoint(args) -> int:
@@ -92,9 +93,12 @@ def main(argv=None) -> int:
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=None)
     g.set_defaults(fn=cmd_generate)
-    d = sub.add_parser("demo", help="the README demo on the embedded default model")
-    d.add_argument("--arch", default="qwen3_5")
-    d.add_argument("--size", default="small")
+    d = sub.add_parser("demo", help="the README demo on the shipped model trained on Python's stdlib")
+    d.add_argument("--model", default=None, help="checkpoint directory (default: the shipped trained model)")
+    d.add_argument("--random", action="store_true",
+                   help="a random-weight checkpoint of --arch/--size instead")
+    d.add_argument("--arch", default="qwen3_5", help="with --random")
+    d.add_argument("--size", default="small", help="with --random")
     d.add_argument("--prefix", type=int, default=512, help="prefix tokens for the TTFT comparison")
     d.add_argument("--device", default="cpu")
     d.set_defaults(fn=cmd_demo)

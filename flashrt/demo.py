@@ -24,17 +24,57 @@ def _ms(f, n=3, sync=False):
     return statistics.median(times), out
 
 
-def run_demo(arch="qwen3_5", size="small", prefix=512, device="cpu") -> int:
+PROMPTS = ("import os\n\n\ndef read_lines(path):\n    with open(path) as f:\n        return",
+           "class Stack:\n    def __init__(self):\n        self.items = []\n\n"
+           "    def push(self, item):\n        self",
+           "    if not isinstance(name, str):\n        raise TypeError(")
+
+
+def _trained_section(rt, tok) -> None:
+    """Completions of Python code (sampled, seeded; greedy loops on a model this small), then
+    greedy with and without MTP speculative decoding."""
+    from flashrt.speculative import last_stats
+    for text in PROMPTS:
+        rt.reset()
+        out = rt.generate(tok.encode(text), max_new_tokens=48, temperature=0.7, top_p=0.9, seed=0)
+        print(f"[complete] temperature 0.7, top-p 0.9, seed 0\n{text}{tok.decode(out)}\n" + "-" * 60)
+    ids = tok.encode(PROMPTS[0])
+    runs = {}
+    for name, kw in (("plain", {}), ("mtp k=2", dict(speculative="mtp", draft_tokens=2))):
+        rt.reset()
+        rt.generate(ids, max_new_tokens=8, ignore_eos=True, **kw)      # warm-up
+        rt.reset()
+        t0 = time.perf_counter()
+        out = rt.generate(ids, max_new_tokens=64, ignore_eos=True, **kw)
+        runs[name] = (out, 64 / (time.perf_counter() - t0), last_stats(rt) if kw else None)
+    (p_out, p_tps, _), (s_out, s_tps, st) = runs["plain"], runs["mtp k=2"]
+    acc = st["accepted"] / max(1, st["drafted"])
+    print(f"[speculative] 64 greedy tokens: plain {p_tps:.1f} tok/s, MTP k=2 {s_tps:.1f} tok/s "
+          f"({s_tps / p_tps:.2f}x), {acc:.0%} of drafts accepted; output "
+          f"{'identical to plain greedy' if s_out == p_out else 'DIFFERS from plain greedy'}\n")
+
+
+def run_demo(arch="qwen3_5", size="small", prefix=512, device="cpu", random=False, model=None) -> int:
+    """The trained default model (model=None, random=False), a given checkpoint directory, or
+    a random-weight checkpoint of arch/size (random=True)."""
     import flashrt
+    from flashrt.assets import trained_model_path
     from flashrt.models.checkpoint import default_checkpoint
 
-    path = default_checkpoint(arch, size)
+    path = default_checkpoint(arch, size) if random else Path(model or trained_model_path())
     rt = flashrt.load(path, device=device, max_seq_len=max(2048, prefix + 256))
     sync = rt.model.device.type == "cuda"
     tok = rt.tokenizer
-    print(f"FlashRT {flashrt.__version__} demo — {arch} ({size}) at {path}")
-    print("NOTE: random weights (no model hub here): generated text is meaningless; "
-          "speed, state and exactness are what this shows.\n")
+    info = rt.model.info
+    if rt.model.random_weights or not info.get("trained"):
+        print(f"FlashRT {flashrt.__version__} demo — {rt.model.model_type} at {path}")
+        print("NOTE: random weights (no model hub here): generated text is meaningless; "
+              "speed, state and exactness are what this shows.\n")
+    else:
+        print(f"FlashRT {flashrt.__version__} demo — {path.name}: a {info['params'] / 1e6:.1f}M-param "
+              f"Qwen3.5-shaped hybrid trained here on CPython {info['corpus']['python']}'s stdlib "
+              f"(held-out loss {info['heldout']['main_loss']:.2f} nats/token). A tiny model: the code "
+              "looks like Python, it is rarely correct.\n")
     a = rt.arena
     print(f"arena: {len(a.slots)} named buffers, {a.nbytes / 2**20:.1f} MiB; capsule state = "
           f"{a.fixed_state_bytes / 2**20:.2f} MiB fixed + {a.per_token_bytes} B/token "
@@ -42,7 +82,10 @@ def run_demo(arch="qwen3_5", size="small", prefix=512, device="cpu") -> int:
     print("\n".join(rt.layout().splitlines()[:12]) + "\n  ...\n")
 
     # 1. plain generation
-    prompt = tok.encode("Hello from FlashRT. ")
+    if info.get("trained"):
+        _trained_section(rt, tok)
+        rt.reset()
+    prompt = tok.encode("Hello from FlashRT. " if not info.get("trained") else PROMPTS[1])
     t0 = time.perf_counter()
     rt.prefill(prompt)
     ttft = (time.perf_counter() - t0) * 1e3
@@ -84,7 +127,8 @@ def run_demo(arch="qwen3_5", size="small", prefix=512, device="cpu") -> int:
     want = rt.generate(max_new_tokens=8, ignore_eos=True)
     kids = [rt.fork(cap, seed=s) for s in (1, 2, 3)]
     for s, k in zip((1, 2, 3), kids):
-        print(f"[fork seed={s}] {k.generate(max_new_tokens=8, temperature=1.0, top_p=0.95)}")
+        toks = k.generate(max_new_tokens=8, temperature=1.0, top_p=0.95)
+        print(f"[fork seed={s}] {toks}" + (f" {tok.decode(toks)!r}" if info.get("trained") else ""))
     rt.restore(cap)
     again = rt.generate(max_new_tokens=8, ignore_eos=True)
     print(f"[parent] after forks, greedy from the capsule: {again} "

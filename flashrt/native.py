@@ -233,12 +233,8 @@ class SegmentPlan:
             self.mode = "torch" if self.pairs else "empty"
         elif self.device.type == "cpu":
             self.mode = "cpu" if HAVE_EXT else "torch"
-            # The extension's parallel copy runs on torch's own OpenMP threads when it shares
-            # torch's runtime: one call, one parallel region. Otherwise large copies that
-            # coalesce into a few strided views run as torch copies: right after a model step
-            # torch's threads are still spinning on the cores, and a second pool of copy
-            # threads competes with them (measured 2-3x slower than one torch copy at 4-16 MiB
-            # on 2 cores).
+            # Without torch's own OpenMP threads, large copies run as a few strided torch copies:
+            # a second pool would fight torch's still-spinning threads (see bench/README.md).
             if self.num_threads == 0 and sum(sizes) >= _TORCH_MIN_BYTES and not (
                     HAVE_EXT and COPIES_ON_TORCH_THREADS):
                 runs = _strided_runs(self.pairs, src, dst, sizes)

@@ -174,6 +174,14 @@ def use_static_steps(rt, max_T: int, capture: bool = False) -> SpecSteps:
     return rt.speculation().use_static_steps(max_T, capture)
 
 
+def last_stats(rt) -> dict | None:
+    """Counters of the session's last speculative generate call (None before any): rounds,
+    drafted, accepted, reprefills, and per draft position j reached_at[j] (draft j verified
+    with drafts < j all accepted) and accepted_at[j]: position j's conditional acceptance."""
+    s = rt.speculation().stats
+    return {k: list(v) if isinstance(v, list) else v for k, v in s.items()} if s else None
+
+
 def pending_token(rt) -> int | None:
     """The token the drafts continue (chosen, not yet committed), while a drafter runs."""
     return rt.speculation().pending
@@ -224,9 +232,9 @@ class _Generation:
         self.bl_h: list[torch.Tensor] = []
         self.bl_t: list[int] = []
         self.bl_r0 = 0
-        self.stats = {"rounds": 0, "drafted": 0, "accepted": 0, "reprefills": 0}
-        # per draft position j: (drafted at j, accepted at j) — the acceptance rate by depth
-        self.stats["by_position"] = [[0, 0] for _ in range(k)]
+        # per draft position j: rounds that verified draft j after accepting 0..j-1, and accepted it
+        self.stats = {"rounds": 0, "drafted": 0, "accepted": 0, "reprefills": 0,
+                      "reached_at": [0] * k, "accepted_at": [0] * k}
 
     # -- helpers ---------------------------------------------------------------------------
     def _t(self, ids) -> torch.Tensor:
@@ -366,9 +374,9 @@ class _Generation:
             rt.commit_tokens(self._t(toks[:n]), L[-1])   # verify: L has n rows; re-run: the last
             self.stats["drafted"] += len(drafts)
             self.stats["accepted"] += n_acc
-            for j in range(len(drafts)):
-                self.stats["by_position"][j][0] += 1
-                self.stats["by_position"][j][1] += int(j < n_acc)
+            for j in range(min(n_acc + 1, len(drafts))):
+                self.stats["reached_at"][j] += 1
+                self.stats["accepted_at"][j] += j < n_acc
         self.stats["rounds"] += 1
         stopped = any(t in stops for t in toks[:n])
         if self.hidden_name:
