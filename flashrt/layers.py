@@ -2,12 +2,14 @@
 
 Two execution paths share every op:
 - eager: the host knows the committed position and slices KV to [0, position + T);
-- static (CUDA-graph safe): positions are device tensors, attention spans the whole capacity
-  and stale rows are removed with `where` on both scores and values, because a mask added
-  before softmax does not stop NaN in stale K (NaN + -inf = NaN), and 0 * NaN in V is NaN.
+- static (CUDA-graph safe): positions are device tensors. On CUDA a Triton kernel reads only the
+  live rows [0, position] (flashrt/kernels/decode_attention.py); the pure-torch body spans the
+  whole capacity and removes stale rows with `where` on both scores and values, because a mask
+  added before softmax does not stop NaN in stale K (NaN + -inf = NaN), and 0 * NaN in V is NaN.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -173,7 +175,7 @@ def attend_cached(q, k, v, k_cache, v_cache, ctx: StepCtx, scale: float) -> torc
     if ctx.static:
         k_cache.index_copy_(0, ctx.positions, k)
         v_cache.index_copy_(0, ctx.positions, v)
-        return _attend_static(q, k_cache, v_cache, ctx.positions, scale)
+        return attend_static(q, k_cache, v_cache, ctx.positions, scale)
     k_cache[ctx.start: ctx.end] = k
     v_cache[ctx.start: ctx.end] = v
     K, V = k_cache[: ctx.end], v_cache[: ctx.end]      # only committed + new rows: stale rows unread
@@ -192,8 +194,16 @@ def attend_cached(q, k, v, k_cache, v_cache, ctx: StepCtx, scale: float) -> torc
     return out[0].transpose(0, 1)
 
 
-def _attend_static(q, K, V, positions, scale):
-    # q: (T, Hq, D); K, V: (cap, Hkv, D). Shapes are fixed, so one graph serves any position.
+def attend_static(q, K, V, positions, scale, kernel: str = "auto"):
+    """Graph-safe attention of q (T, Hq, D) over K, V (cap, Hkv, D); query t sees keys
+    [0, positions[t]]. kernel "triton": length-aware, native dtype (auto on CUDA when Triton
+    imports); "torch": fp32 over the whole capacity (shapes fixed, one graph per T either way)."""
+    if kernel == "auto":
+        kernel = "triton" if q.is_cuda and _triton_attention() is not None else "torch"
+    if kernel == "triton":
+        return _triton_attention()(q, K, V, positions, scale)
+    if kernel != "torch":
+        raise ValueError(f"attention kernel {kernel!r}: expected auto, triton or torch")
     T, Hq, D = q.shape
     cap, Hkv, _ = K.shape
     g = Hq // Hkv
@@ -209,6 +219,16 @@ def _attend_static(q, K, V, positions, scale):
     probs = torch.softmax(scores, dim=-1)
     out = torch.einsum("hgtc,hcd->hgtd", probs, vh)                     # (Hkv, g, T, D)
     return out.permute(2, 0, 1, 3).reshape(T, Hq, D).to(q.dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _triton_attention():
+    """The Triton decode-attention wrapper, or None where Triton does not import (CPU builds)."""
+    try:
+        from flashrt.kernels.decode_attention import decode_attention
+    except ImportError:
+        return None
+    return decode_attention
 
 
 class QKNormAttention(nn.Module):
