@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.bias import causal_lower_right
 
 from flashrt import native
 
@@ -182,16 +183,43 @@ def attend_cached(q, k, v, k_cache, v_cache, ctx: StepCtx, scale: float) -> torc
     qh = q.transpose(0, 1).unsqueeze(0)                 # (1, Hq, T, D)
     kh = K.permute(1, 0, 2).unsqueeze(0)                # (1, Hkv, L, D)
     vh = V.permute(1, 0, 2).unsqueeze(0)
-    if ctx.T == 1:
-        mask, causal = None, False
-    elif ctx.start == 0:
-        mask, causal = None, True
-    else:  # query i sits at start + i and sees keys <= start + i
-        kpos = torch.arange(ctx.end, device=q.device)
-        mask, causal = kpos[None, :] <= ctx.positions[:, None], False
-    out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, is_causal=causal,
-                                         scale=scale, enable_gqa=kh.shape[1] != qh.shape[1])
+    gqa = kh.shape[1] != qh.shape[1]
+    if ctx.T > 1 and ctx.start > 0:   # query i sits at start + i and sees keys <= start + i
+        out = prefix_chunk_attention(qh, kh, vh, scale, chunk_attention_mode(qh, kh, vh))
+    else:                             # one token sees every key; a first chunk is square causal
+        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=ctx.T > 1, scale=scale,
+                                             enable_gqa=gqa)
     return out[0].transpose(0, 1)
+
+
+def chunk_attention_mode(qh, kh, vh) -> str:
+    """How a chunk after a prefix keeps a fused SDPA kernel. "mask": CPU, whose flash kernel takes
+    a boolean mask with GQA; "bias": CUDA flash (fp16/bf16) with a lower-right causal bias and
+    GQA; "expand": K/V heads repeated so the memory-efficient kernel (fp32, no GQA) takes the bias.
+    An explicit mask with enable_gqa on CUDA falls to the math path: fp32 scores (Hq, T, L)."""
+    if qh.device.type != "cuda":
+        return "mask"
+    if kh.shape[1] == qh.shape[1]:
+        return "bias"
+    from torch.backends.cuda import SDPAParams, can_use_flash_attention
+    return "bias" if can_use_flash_attention(SDPAParams(qh, kh, vh, None, 0.0, False, True)) else "expand"
+
+
+def prefix_chunk_attention(qh, kh, vh, scale, mode: str) -> torch.Tensor:
+    """Causal attention of T queries that are the last T of L keys (L > T), bottom-right aligned.
+    qh: (1, Hq, T, D); kh, vh: (1, Hkv, L, D). Returns (1, Hq, T, D)."""
+    T, L, g = qh.shape[2], kh.shape[2], qh.shape[1] // kh.shape[1]
+    if mode == "mask":
+        kpos = torch.arange(L, device=qh.device)
+        mask = kpos[None, :] <= torch.arange(L - T, L, device=qh.device)[:, None]     # (T, L)
+        return F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale,
+                                              enable_gqa=g > 1)
+    if mode == "expand" and g > 1:
+        kh, vh = kh.repeat_interleave(g, dim=1), vh.repeat_interleave(g, dim=1)
+    elif mode not in ("bias", "expand"):
+        raise ValueError(f"chunk attention mode {mode!r}: expected mask, bias or expand")
+    return F.scaled_dot_product_attention(qh, kh, vh, attn_mask=causal_lower_right(T, L), scale=scale,
+                                          enable_gqa=kh.shape[1] != qh.shape[1])
 
 
 def attend_static(q, K, V, positions, scale, kernel: str = "auto"):
