@@ -76,3 +76,39 @@ def test_plan_covers_capacity(cap):
         assert p["split"] % p["BLOCK_N"] == 0 and p["n_split"] * p["split"] >= cap
         assert (p["n_split"] - 1) * p["split"] < cap                   # no empty trailing split
         assert p["m_blocks"] * p["BLOCK_M"] >= T * (Hq // Hkv) and p["BLOCK_D"] >= D
+
+
+# ---- ahead-of-time compile for the H100/H200 (sm_90): no GPU needed ----------------------------
+_PTR = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16"}
+
+
+def _compile_sm90(kernel, types: dict, constexprs: dict, num_warps: int):
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    sig = {n: ("constexpr" if n in constexprs else types.get(n, "i32")) for n in kernel.arg_names}
+    return triton.compile(ASTSource(kernel, sig, constexprs), target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": num_warps})
+
+
+@pytest.mark.parametrize("dtype,T,Hq,Hkv,D", [
+    (torch.bfloat16, 1, 16, 8, 128),      # Qwen3-0.6B decode
+    (torch.bfloat16, 16, 8, 2, 256),      # Qwen3.5-0.8B full attention, a 16-token graph
+    (torch.float16, 1, 32, 4, 64),
+    (torch.float32, 4, 8, 8, 80)])
+def test_kernels_compile_for_sm90(dtype, T, Hq, Hkv, D):
+    """The GPU path is not what the interpreter runs: compile both kernels to sm_90 machine code
+    with the launcher's own plan (Triton's ptxas), so type or shape errors show up here."""
+    pytest.importorskip("triton.backends.nvidia", reason="triton without its NVIDIA backend")
+    from flashrt.kernels.decode_attention import _combine_kernel, _split_kernel, plan
+    p = plan(T, Hq, Hkv, D, cap=4096, programs=4 * 132)
+    ptr = _PTR[dtype]
+    split = _compile_sm90(_split_kernel, dict(Q=ptr, K=ptr, V=ptr, POS="*i64", M_WS="*fp32", L_WS="*fp32",
+                                              ACC_WS="*fp32", scale="fp32"),
+                          dict(G=p["G"], BLOCK_M=p["BLOCK_M"], BLOCK_N=p["BLOCK_N"], BLOCK_D=p["BLOCK_D"],
+                               PREC="ieee" if dtype == torch.float32 else "tf32"),
+                          num_warps=4 if p["BLOCK_D"] <= 128 else 8)
+    combine = _compile_sm90(_combine_kernel, dict(M_WS="*fp32", L_WS="*fp32", ACC_WS="*fp32", POS="*i64",
+                                                  OUT=ptr), dict(BLOCK_D=p["BLOCK_D"]), num_warps=4)
+    for k in (split, combine):
+        assert k.asm["cubin"] and ".target sm_90" in k.asm["ptx"]
+        assert k.metadata.shared <= 227 * 1024          # an H100/H200 block's shared memory
