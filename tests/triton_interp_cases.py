@@ -9,11 +9,11 @@ import sys
 DTYPES = ("float32", "bfloat16", "float16")
 
 
-def _inputs(T, Hq, Hkv, D, cap, L, dtype, seed):
+def _inputs(T, Hq, Hkv, D, cap, L, dtype, seed, device="cpu"):
     import torch
     g = torch.Generator().manual_seed(seed)
-    q, K, V = (torch.randn(*s, generator=g).to(dtype) for s in ((T, Hq, D), (cap, Hkv, D), (cap, Hkv, D)))
-    return q, K, V, torch.arange(L - T, L)           # the step's T tokens end at live length L
+    q, K, V = (torch.randn(*s, generator=g).to(device, dtype) for s in ((T, Hq, D), (cap, Hkv, D), (cap, Hkv, D)))
+    return q, K, V, torch.arange(L - T, L, device=device)   # the step's T tokens end at live length L
 
 
 def grid():
@@ -35,11 +35,12 @@ def grid():
                                           split=32, seed=99)
 
 
-def run_case(T, Hq, Hkv, D, cap, L, dtype, split, seed):
+def run_case(T, Hq, Hkv, D, cap, L, dtype, split, seed, device="cpu"):
+    """On CPU under the interpreter (main), or in-process on CUDA (tests/test_decode_attention.py)."""
     import torch
     from flashrt.kernels.decode_attention import decode_attention, decode_attention_ref
     from flashrt.layers import attend_static
-    q, K, V, pos = _inputs(T, Hq, Hkv, D, cap, L, getattr(torch, dtype), seed)
+    q, K, V, pos = _inputs(T, Hq, Hkv, D, cap, L, getattr(torch, dtype), seed, device)
     ref = decode_attention_ref(q, K, V, pos, D ** -0.5).float()
     out = decode_attention(q, K, V, pos, D ** -0.5, split=split)
     # stale rows past the live length hold NaN / Inf: never read, so the bits do not change
