@@ -254,7 +254,7 @@ def _triton_attention():
     """The Triton decode-attention wrapper, or None where Triton does not import (CPU builds)."""
     try:
         from flashrt.kernels.decode_attention import decode_attention
-    except ImportError:
+    except Exception:       # not installed, or a Triton that fails to import here
         return None
     return decode_attention
 
