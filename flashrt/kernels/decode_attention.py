@@ -50,14 +50,15 @@ def _split_kernel(Q, K, V, POS, M_WS, L_WS, ACC_WS, scale, T, Hq, D, cap, split,
         n = start + tl.arange(0, BLOCK_N)
         n_ok = n < end                                    # only live rows are loaded
         kv_mask = n_ok[:, None] & d_ok[None, :]
-        k = tl.load(K + n[:, None] * sk_n + h * sk_h + d[None, :], mask=kv_mask, other=0.0)
+        row = n.to(tl.int64)[:, None]                     # capacity x row stride may pass 2^31
+        k = tl.load(K + row * sk_n + h * sk_h + d[None, :], mask=kv_mask, other=0.0)
         sc = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision=PREC) * scale   # (M, N)
         sc = tl.where((n[None, :] < length[:, None]) & n_ok[None, :], sc, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(sc, axis=1))
         m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)   # a row with no key yet: no NaN
         alpha = tl.exp(m_i - m_ref)
         p = tl.exp(sc - m_ref[:, None])
-        v = tl.load(V + n[:, None] * sv_n + h * sv_h + d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(V + row * sv_n + h * sv_h + d[None, :], mask=kv_mask, other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision=PREC)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         m_i = m_new
