@@ -106,13 +106,14 @@ def test_launcher_refuses_bad_inputs():
     assert "out must be" in _bad(out=torch.zeros(2, 8, 64, dtype=torch.float16))
 
 
-@pytest.mark.parametrize("cap", [1, 63, 64, 1000, 16384])
+@pytest.mark.parametrize("cap", [1, 63, 64, 1000, 16384, 1 << 20])
 def test_plan_covers_capacity(cap):
     from flashrt.kernels.decode_attention import plan
     for T, Hq, Hkv, D in ((1, 16, 8, 128), (16, 8, 2, 256), (3, 8, 8, 80)):
         p = plan(T, Hq, Hkv, D, cap, programs=528)
         assert p["split"] % p["BLOCK_N"] == 0 and p["n_split"] * p["split"] >= cap
         assert (p["n_split"] - 1) * p["split"] < cap                   # no empty trailing split
+        assert p["n_split"] <= 128                                      # MAX_SPLITS
         assert p["m_blocks"] * p["BLOCK_M"] >= T * (Hq // Hkv) and p["BLOCK_D"] >= D
 
 
@@ -146,7 +147,8 @@ def test_kernels_compile_for_sm90(dtype, T, Hq, Hkv, D):
                                PREC="ieee" if dtype == torch.float32 else "tf32"),
                           num_warps=4 if p["BLOCK_D"] <= 128 else 8)
     combine = _compile_sm90(_combine_kernel, dict(M_WS="*fp32", L_WS="*fp32", ACC_WS="*fp32", POS="*i64",
-                                                  OUT=ptr), dict(BLOCK_D=p["BLOCK_D"]), num_warps=4)
+                                                  OUT=ptr), dict(BLOCK_S=p["BLOCK_S"], BLOCK_D=p["BLOCK_D"]),
+                            num_warps=4)
     for k in (split, combine):
         assert k.asm["cubin"] and ".target sm_90" in k.asm["ptx"]
         assert k.metadata.shared <= 227 * 1024          # an H100/H200 block's shared memory

@@ -33,6 +33,9 @@ def grid():
     # 16 tokens x 8 query heads: several row blocks per KV head, one causal step
     yield "float32-D64-g8-T16-Lcap", dict(T=16, Hq=8, Hkv=1, D=64, cap=150, L=150, dtype="float32",
                                           split=32, seed=99)
+    # 19 splits of 32 keys: the combine kernel takes them 8 at a time (BLOCK_S for D=256)
+    yield "bfloat16-D256-g4-T2-L590", dict(T=2, Hq=8, Hkv=2, D=256, cap=600, L=590, dtype="bfloat16",
+                                           split=32, seed=98)
 
 
 def run_case(T, Hq, Hkv, D, cap, L, dtype, split, seed, device="cpu"):

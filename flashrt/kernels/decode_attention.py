@@ -21,6 +21,7 @@ import triton.language as tl
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MAX_HEAD_DIM = 256
+MAX_SPLITS = 128          # the combine kernel reads every split of a row
 
 
 @triton.jit
@@ -71,26 +72,32 @@ def _split_kernel(Q, K, V, POS, M_WS, L_WS, ACC_WS, scale, T, Hq, D, cap, split,
 
 @triton.jit
 def _combine_kernel(M_WS, L_WS, ACC_WS, POS, OUT, T, Hq, D, cap, split, so_t, so_h,
-                    BLOCK_D: tl.constexpr):
+                    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
     r = tl.program_id(0)                                  # t * Hq + query head
     t = r // Hq
     qh = r % Hq
     length = tl.minimum(tl.load(POS + t).to(tl.int32) + 1, cap)
     n_split = (length + split - 1) // split               # splits holding this row's keys
+    stride = T * Hq
     d = tl.arange(0, BLOCK_D)
     d_ok = d < D
-    stride = T * Hq
-    m_max = tl.load(M_WS + r)
-    for s in range(1, n_split):
-        m_max = tl.maximum(m_max, tl.load(M_WS + s * stride + r))
-    w = tl.exp(tl.load(M_WS + r) - m_max)
-    l_sum = w * tl.load(L_WS + r)
-    acc = w * tl.load(ACC_WS + r * D + d, mask=d_ok, other=0.0)
-    for s in range(1, n_split):
-        w = tl.exp(tl.load(M_WS + s * stride + r) - m_max)
-        l_sum += w * tl.load(L_WS + s * stride + r)
-        acc += w * tl.load(ACC_WS + (s * stride + r) * D + d, mask=d_ok, other=0.0)
-    tl.store(OUT + t * so_t + qh * so_h + d, (acc / l_sum).to(OUT.dtype.element_ty), mask=d_ok)
+    # BLOCK_S splits per iteration: independent loads in flight, not one round trip per split
+    sp = tl.arange(0, BLOCK_S)
+    m_max = tl.max(tl.load(M_WS + sp * stride + r, mask=sp < n_split, other=float("-inf")), axis=0)
+    for s0 in range(BLOCK_S, n_split, BLOCK_S):
+        m = tl.load(M_WS + (s0 + sp) * stride + r, mask=s0 + sp < n_split, other=float("-inf"))
+        m_max = tl.maximum(m_max, tl.max(m, axis=0))
+    l_sum = tl.zeros([BLOCK_S], tl.float32)
+    acc = tl.zeros([BLOCK_S, BLOCK_D], tl.float32)
+    for s0 in range(0, n_split, BLOCK_S):
+        ok = s0 + sp < n_split
+        ws = (s0 + sp) * stride + r
+        w = tl.exp(tl.load(M_WS + ws, mask=ok, other=float("-inf")) - m_max)      # 0 past n_split
+        l_sum += w * tl.load(L_WS + ws, mask=ok, other=0.0)
+        acc += w[:, None] * tl.load(ACC_WS + ws[:, None] * D + d[None, :],
+                                    mask=ok[:, None] & d_ok[None, :], other=0.0)
+    out = tl.sum(acc, axis=0) / tl.sum(l_sum, axis=0)
+    tl.store(OUT + t * so_t + qh * so_h + d, out.to(OUT.dtype.element_ty), mask=d_ok)
 
 
 # ---- launcher ------------------------------------------------------------------------------
@@ -133,11 +140,13 @@ def plan(T: int, Hq: int, Hkv: int, D: int, cap: int, programs: int, split: int 
     block_d = max(16, triton.next_power_of_2(D))
     block_n = 64 if block_d <= 128 else 32
     m_blocks = triton.cdiv(T * G, block_m)
-    if split is None:   # enough splits that a full-capacity step fills the device, each >= 2 tiles
-        split = max(2 * block_n, triton.cdiv(cap, max(1, triton.cdiv(programs, Hkv * m_blocks))))
+    if split is None:   # enough splits that a full-capacity step fills the device, each >= 2 tiles;
+        # a split writes and reads back T*G fp32 rows of D: >= 4*T*G keys keeps that under half its KV
+        split = max(2 * block_n, 4 * T * G, triton.cdiv(cap, max(1, triton.cdiv(programs, Hkv * m_blocks))),
+                    triton.cdiv(cap, MAX_SPLITS))
     split = triton.cdiv(max(split, 1), block_n) * block_n
     return dict(G=G, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, m_blocks=m_blocks,
-                split=split, n_split=triton.cdiv(cap, split))
+                split=split, n_split=triton.cdiv(cap, split), BLOCK_S=16 if block_d <= 128 else 8)
 
 
 def decode_attention(q, k_cache, v_cache, positions, scale: float, out=None, split: int | None = None):
@@ -165,7 +174,8 @@ def decode_attention(q, k_cache, v_cache, positions, scale: float, out=None, spl
         G=p["G"], BLOCK_M=p["BLOCK_M"], BLOCK_N=p["BLOCK_N"], BLOCK_D=p["BLOCK_D"], PREC=prec,
         num_warps=warps)
     _combine_kernel[(T * Hq,)](m_ws, l_ws, acc_ws, positions, out, T, Hq, D, cap, p["split"],
-                               out.stride(0), out.stride(1), BLOCK_D=p["BLOCK_D"], num_warps=4)
+                               out.stride(0), out.stride(1), BLOCK_S=p["BLOCK_S"], BLOCK_D=p["BLOCK_D"],
+                               num_warps=4)
     return out
 
 
