@@ -2,17 +2,20 @@
 
 Two execution paths share every op:
 - eager: the host knows the committed position and slices KV to [0, position + T);
-- static (CUDA-graph safe): positions are device tensors, attention spans the whole capacity
-  and stale rows are removed with `where` on both scores and values, because a mask added
-  before softmax does not stop NaN in stale K (NaN + -inf = NaN), and 0 * NaN in V is NaN.
+- static (CUDA-graph safe): positions are device tensors. On CUDA a Triton kernel reads only the
+  live rows [0, position] (flashrt/kernels/decode_attention.py); the pure-torch body spans the
+  whole capacity and removes stale rows with `where` on both scores and values, because a mask
+  added before softmax does not stop NaN in stale K (NaN + -inf = NaN), and 0 * NaN in V is NaN.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.bias import causal_lower_right
 
 from flashrt import native
 
@@ -173,27 +176,62 @@ def attend_cached(q, k, v, k_cache, v_cache, ctx: StepCtx, scale: float) -> torc
     if ctx.static:
         k_cache.index_copy_(0, ctx.positions, k)
         v_cache.index_copy_(0, ctx.positions, v)
-        return _attend_static(q, k_cache, v_cache, ctx.positions, scale)
+        return attend_static(q, k_cache, v_cache, ctx.positions, scale)
     k_cache[ctx.start: ctx.end] = k
     v_cache[ctx.start: ctx.end] = v
     K, V = k_cache[: ctx.end], v_cache[: ctx.end]      # only committed + new rows: stale rows unread
     qh = q.transpose(0, 1).unsqueeze(0)                 # (1, Hq, T, D)
     kh = K.permute(1, 0, 2).unsqueeze(0)                # (1, Hkv, L, D)
     vh = V.permute(1, 0, 2).unsqueeze(0)
-    if ctx.T == 1:
-        mask, causal = None, False
-    elif ctx.start == 0:
-        mask, causal = None, True
-    else:  # query i sits at start + i and sees keys <= start + i
-        kpos = torch.arange(ctx.end, device=q.device)
-        mask, causal = kpos[None, :] <= ctx.positions[:, None], False
-    out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, is_causal=causal,
-                                         scale=scale, enable_gqa=kh.shape[1] != qh.shape[1])
+    gqa = kh.shape[1] != qh.shape[1]
+    if ctx.T > 1 and ctx.start > 0:   # query i sits at start + i and sees keys <= start + i
+        out = prefix_chunk_attention(qh, kh, vh, scale, chunk_attention_mode(qh, kh, vh))
+    else:                             # one token sees every key; a first chunk is square causal
+        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=ctx.T > 1, scale=scale,
+                                             enable_gqa=gqa)
     return out[0].transpose(0, 1)
 
 
-def _attend_static(q, K, V, positions, scale):
-    # q: (T, Hq, D); K, V: (cap, Hkv, D). Shapes are fixed, so one graph serves any position.
+def chunk_attention_mode(qh, kh, vh) -> str:
+    """How a chunk after a prefix keeps a fused SDPA kernel. "mask": CPU, whose flash kernel takes
+    a boolean mask with GQA; "bias": CUDA flash (fp16/bf16) with a lower-right causal bias and
+    GQA; "expand": K/V heads repeated so the memory-efficient kernel (fp32, no GQA) takes the bias.
+    An explicit mask with enable_gqa on CUDA falls to the math path: fp32 scores (Hq, T, L)."""
+    if qh.device.type != "cuda":
+        return "mask"
+    if kh.shape[1] == qh.shape[1]:
+        return "bias"
+    from torch.backends.cuda import SDPAParams, can_use_flash_attention
+    return "bias" if can_use_flash_attention(SDPAParams(qh, kh, vh, None, 0.0, False, True)) else "expand"
+
+
+def prefix_chunk_attention(qh, kh, vh, scale, mode: str) -> torch.Tensor:
+    """Causal attention of T queries that are the last T of L keys (L > T), bottom-right aligned.
+    qh: (1, Hq, T, D); kh, vh: (1, Hkv, L, D). Returns (1, Hq, T, D)."""
+    T, L, g = qh.shape[2], kh.shape[2], qh.shape[1] // kh.shape[1]
+    if mode == "mask":
+        kpos = torch.arange(L, device=qh.device)
+        mask = kpos[None, :] <= torch.arange(L - T, L, device=qh.device)[:, None]     # (T, L)
+        return F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale,
+                                              enable_gqa=g > 1)
+    if mode == "expand" and g > 1:
+        kh, vh = kh.repeat_interleave(g, dim=1), vh.repeat_interleave(g, dim=1)
+    elif mode not in ("bias", "expand"):
+        raise ValueError(f"chunk attention mode {mode!r}: expected mask, bias or expand")
+    return F.scaled_dot_product_attention(qh, kh, vh, attn_mask=causal_lower_right(T, L), scale=scale,
+                                          enable_gqa=kh.shape[1] != qh.shape[1])
+
+
+def attend_static(q, K, V, positions, scale, kernel: str = "auto"):
+    """Graph-safe attention of q (T, Hq, D) over K, V (cap, Hkv, D); query t sees keys
+    [0, positions[t]]. kernel "triton": length-aware, native dtype (auto on CUDA when Triton
+    imports); "torch": fp32 over the whole capacity (shapes fixed, one graph per T either way)."""
+    if kernel == "auto":
+        kernel = "triton" if q.is_cuda and _triton_attention() is not None else "torch"
+    if kernel == "triton":
+        return _triton_attention()(q, K, V, positions, scale)
+    if kernel != "torch":
+        raise ValueError(f"attention kernel {kernel!r}: expected auto, triton or torch")
     T, Hq, D = q.shape
     cap, Hkv, _ = K.shape
     g = Hq // Hkv
@@ -209,6 +247,16 @@ def _attend_static(q, K, V, positions, scale):
     probs = torch.softmax(scores, dim=-1)
     out = torch.einsum("hgtc,hcd->hgtd", probs, vh)                     # (Hkv, g, T, D)
     return out.permute(2, 0, 1, 3).reshape(T, Hq, D).to(q.dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _triton_attention():
+    """The Triton decode-attention wrapper, or None where Triton does not import (CPU builds)."""
+    try:
+        from flashrt.kernels.decode_attention import decode_attention
+    except Exception:       # not installed, or a Triton that fails to import here
+        return None
+    return decode_attention
 
 
 class QKNormAttention(nn.Module):

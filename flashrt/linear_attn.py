@@ -5,7 +5,8 @@ Batch 1, no batch dim. All state is updated in place (fixed arena addresses, gra
 - recurrent state (Hv, Dk, Dv) float32, whatever the activation dtype.
 The pure-torch paths follow transformers' torch_chunk_gated_delta_rule /
 torch_recurrent_gated_delta_rule op for op (fp32 parity ~1e-6). Optional CUDA kernels
-(flash-linear-attention, causal-conv1d) are used when `fast_kernels()` finds them.
+(flash-linear-attention, causal-conv1d) are used when `fast_kernels()` finds them;
+flash-linear-attention only for bf16/fp16 activations (`use_fla`): it asserts on float32.
 """
 from __future__ import annotations
 
@@ -29,6 +30,15 @@ def fast_kernels():
     except Exception:
         conv = None
     return fla, conv
+
+
+FLA_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def use_fla(fast: bool, dtype: torch.dtype) -> bool:
+    """Whether a gated-delta-rule call goes to flash-linear-attention: asked for (the model found
+    it on CUDA) and a half dtype; float32 stays on the torch path, which keeps fp32 parity."""
+    return fast and dtype in FLA_DTYPES
 
 
 # ---- causal depthwise conv ---------------------------------------------------------------
@@ -79,7 +89,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, state, chunk: int = 64, fast: bool 
     state: (Hv, Dk, Dv) fp32, read as the initial state and overwritten with the final one.
     Returns (T, Hv, Dv) in v's dtype."""
     dtype, T = v.dtype, v.shape[0]
-    if fast:
+    if use_fla(fast, dtype):
         op = fast_kernels()[0][0]
         q, k = _gva(q, k, v)
         o, final = op(q[None], k[None], v[None], g[None].float(), beta[None],
@@ -122,7 +132,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, state, chunk: int = 64, fast: bool 
 def recurrent_gated_delta_rule(q, k, v, g, beta, state, fast: bool = False):
     """Decode (any T, one token at a time). Same shapes as chunk_gated_delta_rule."""
     dtype, T = v.dtype, v.shape[0]
-    if fast:
+    if use_fla(fast, dtype):
         op = fast_kernels()[0][1]
         q, k = _gva(q, k, v)
         o, final = op(q[None], k[None], v[None], g=g[None].float(), beta=beta[None],
