@@ -73,6 +73,8 @@ class Runtime:
             device=str(model.device), torch=torch.__version__, flashrt=__version__, pid=os.getpid(),
             linear=model.linear_kernel, threads=torch.get_num_threads())
         self._pos = 0
+        self._stepped = 0                          # tokens run through the model, ever
+        self.context_reused = 0                    # see set_context
         self._checkpoints: list[Capsule] = []     # fixed state at multiples of checkpoint_every
         # (weakref, id, position) of capsules whose rows equal ours below that position (see
         # _extends). Weak: the session never keeps a capsule's memory the caller let go of.
@@ -112,6 +114,7 @@ class Runtime:
     def _step(self, ids: torch.Tensor, all_logits: bool = False):
         """Advance by len(ids) tokens (already validated). Returns all-position logits if asked."""
         T, start = ids.shape[0], self._pos
+        self._stepped += T
         self._note_threads()
         if self.graphs is not None and not all_logits and T <= self.graphs.max_size:
             self.graphs.run(ids)
@@ -368,6 +371,8 @@ class Runtime:
         to the common prefix) or the longest prefix stored in `store` (a CapsuleStore:
         restore it, then prefill only the rest). remember: put a capsule of the new boundary
         into `store`, a shared-prefix one over the deepest stored capsule it extends.
+        Afterwards `context_reused` is how many of `tokens` were not run through the model
+        (restored, kept, or rolled back to), e.g. a server's cached_tokens.
         """
         if isinstance(tokens, torch.Tensor):
             tokens = tokens.reshape(-1).tolist()
@@ -377,6 +382,7 @@ class Runtime:
             raise ValueError(f"set_context: need 1..{self.max_seq_len} token ids in [0, {V}); got "
                              f"{len(toks)}" + (f", id {toks[bad]} at {bad}" if bad is not None else ""))
         with self._lock:
+            stepped0 = self._stepped
             n = min(self._pos, len(toks))
             diff = (self.arena["meta.tokens"][:n].cpu() != torch.tensor(toks[:n])).nonzero()
             common = int(diff[0]) if len(diff) else n
@@ -389,6 +395,7 @@ class Runtime:
                 self.rollback(common)
             if self._pos < len(toks):
                 self._advance(torch.tensor(toks[self._pos:], device=self.model.device), False)
+            self.context_reused = len(toks) - (self._stepped - stepped0)
             if remember and store is not None and m < len(toks):
                 # the deepest stored capsule this state extends; the session's own object for
                 # it may be gone (anchors are weak): the store resolves the parent by id
