@@ -22,6 +22,9 @@ setup() {
   fi
   "$PY" -m pip install -q "scikit-build-core>=0.10" "pybind11>=2.12" ninja \
       "safetensors>=0.4" "numpy>=1.24" "transformers>=4.57" pytest matplotlib tqdm
+  # the serve extra (flashrt serve and tests/test_serve.py)
+  "$PY" -m pip install -q "fastapi>=0.110" "uvicorn>=0.29" "jinja2>=3.1" "tokenizers>=0.19" \
+      "openai>=1.30" "httpx>=0.27"
   # --no-deps: never let pip swap the torch that is already there.
   "$PY" -m pip install -q --no-build-isolation --no-deps .
   # from tests/, so the installed package is imported rather than the source tree
