@@ -95,6 +95,10 @@ class Reference:
 
     def __init__(self, ckpt):
         import flashrt
+        import torch
+        # one intra-op thread: the server process shares these 2 cores, and two OpenMP teams
+        # fighting for them make a tiny decode step ~10x slower
+        torch.set_num_threads(1)
         self.rt = flashrt.load(ckpt, dtype="float32", max_seq_len=512)
 
     def greedy(self, ids, n) -> tuple[list, list]:

@@ -213,6 +213,7 @@ def test_barge_in_stateless_chat(server, ref):
         spoken = len(text) // 2
         reply = server.post(f"/v1/chat/completions/{ev['id']}/cancel", {"delivered_chars": spoken}).json()
     k = reply["kept_tokens"][0]
+    assert isinstance(k, int) and k <= len(ids)
     assert len(tok.decode(ids[:k])) <= spoken             # only tokens wholly spoken are kept
     nxt_msgs = msgs + [{"role": "assistant", "content": text[:spoken]}, {"role": "user", "content": "ok"}]
     N = tok.encode(tpl.render(nxt_msgs))
@@ -331,3 +332,107 @@ def test_bad_input_keeps_serving_and_storing(server):
     assert server.post("/v1/chat/completions", {"messages": []}).status_code == 400
     b = server.complete(P + a["choices"][0]["token_ids"], max_tokens=2)
     assert b["usage"]["prompt_tokens_details"]["cached_tokens"] == 20 + len(a["choices"][0]["token_ids"])
+
+
+# ---- a real BPE tokenizer and a template that drops earlier reasoning -----------------------------
+QWEN_STYLE = (
+    "{%- for message in messages %}"
+    "{%- if message.role == 'assistant' %}"
+    "{%- set content = message.content %}"
+    # earlier turns' reasoning is dropped, as Qwen3's template does
+    "{%- if '</think>' in content %}{%- set content = content.split('</think>')[-1].lstrip('\\n') %}{%- endif %}"
+    "{{- '<|im_start|>assistant\\n' + content + '<|im_end|>\\n' }}"
+    "{%- else %}{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+
+
+@pytest.fixture(scope="module")
+def bpe_ckpt(tmp_path_factory):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from flashrt.models import make_checkpoint
+    d = tmp_path_factory.mktemp("bpe")
+    make_checkpoint("qwen3_5", "tiny", d, seed=0)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    special = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=special,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    corpus = ["You are a helpful voice agent. The answer is short and kind.",
+              "Tell me about the weather today, and what the reasoning behind it is.",
+              "system user assistant think answer reasoning weather today tomorrow"] * 20
+    tok.train_from_iterator(corpus, trainer)
+    tok.save(str(d / "tokenizer.json"))
+    (d / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "chat_template": QWEN_STYLE,
+        "eos_token": "<|im_end|>", "bos_token": None, "pad_token": "<|endoftext|>"}))
+    return d
+
+
+def test_reasoning_template_rolls_back_to_the_divergence(bpe_ckpt, tmp_path):
+    from tokenizers import Tokenizer
+    tk = Tokenizer.from_file(str(bpe_ckpt / "tokenizer.json"))
+    enc, tpl = (lambda t: tk.encode(t).ids), ChatTemplate(bpe_ckpt)
+    assert tpl.kind == "checkpoint"
+    s, ref = Server(bpe_ckpt, log=tmp_path / "bpe.log"), Reference(bpe_ckpt)
+    try:
+        c = s.client()
+        msgs = [{"role": "system", "content": "You are a helpful voice agent."},
+                {"role": "user", "content": "Tell me about the weather today."}]
+        P1 = enc(tpl.render(msgs))
+        r1 = c.chat.completions.create(model=s.model, messages=msgs, max_tokens=3, temperature=0)
+        assert r1.usage.prompt_tokens == len(P1)             # the server tokenizes as we do
+        answer = "<think>\nThe reasoning behind it.\n</think>\n\nThe answer is short."
+        think = enc(answer)
+        # the turn as a reasoning model would have produced it: held after the prompt capsule
+        r2 = s.complete(P1 + think, max_tokens=2)
+        assert r2["usage"]["prompt_tokens_details"]["cached_tokens"] == len(P1)
+        msgs2 = msgs + [{"role": "assistant", "content": answer}, {"role": "user", "content": "And tomorrow?"}]
+        N = enc(tpl.render(msgs2))
+        assert N[: len(P1)] == P1 and N[len(P1)] != think[0]  # re-rendered without the reasoning
+        r3 = c.chat.completions.create(model=s.model, messages=msgs2, max_tokens=6, temperature=0)
+        # rolled back to the divergence (the prompt capsule), only the rest prefilled
+        assert r3.usage.prompt_tokens_details.cached_tokens == len(P1)
+        assert r3.usage.prompt_tokens == len(N)
+        ref.check(N, r3.choices[0].model_extra["token_ids"])
+    finally:
+        s.stop()
+
+
+# ---- API key, and a restart that reuses the disk tier ----------------------------------------------
+def test_api_key_and_restart_with_disk_tier(tiny, tmp_path, ref):
+    import openai
+    caps, key = tmp_path / "caps", "s3cret-key"
+    a = Server(tiny, "--capsule-dir", str(caps), api_key=key, log=tmp_path / "a.log")
+    try:
+        for method, path in [("GET", "/v1/models"), ("POST", "/v1/completions"), ("GET", "/health"),
+                             ("POST", "/v1/chat/completions"), ("POST", "/v1/sessions"),
+                             ("GET", "/v1/sessions/sess-x"), ("POST", "/v1/completions/cmpl-x/cancel")]:
+            for hdr in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": key}):
+                r = httpx.request(method, a.url + path, json={}, headers=hdr, timeout=30)
+                assert r.status_code == 401 and "API key" in r.json()["error"]["message"], (path, hdr)
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=a.url + "/v1", api_key="wrong", max_retries=0).models.list()
+        P = rand_ids(36, 500)
+        gen = a.complete(P, max_tokens=6)["choices"][0]["token_ids"]
+        P2 = rand_ids(20, 501)
+        sid = a.post("/v1/sessions", {"prompt": P2}).json()["id"]
+        assert a.post(f"/v1/sessions/{sid}/save", {"name": "alice"}).status_code == 200
+    finally:
+        a.stop()
+    assert any(p.suffix == ".capsule" for p in caps.iterdir())
+    b = Server(tiny, "--capsule-dir", str(caps), api_key=key, log=tmp_path / "b.log")
+    try:
+        U = rand_ids(4, 502)
+        r = b.complete(P + gen + U, max_tokens=5)
+        assert r["usage"]["prompt_tokens_details"]["cached_tokens"] == len(P) + len(gen)
+        ref.check(P + gen + U, r["choices"][0]["token_ids"])
+        loaded = b.post("/v1/sessions/load", {"name": "alice"}).json()
+        assert loaded["tokens"] == P2
+        t = b.post(f"/v1/sessions/{loaded['id']}/completions", {"prompt": [3], "max_tokens": 2}).json()
+        assert t["usage"]["prompt_tokens_details"]["cached_tokens"] == len(P2)
+        assert b.post("/v1/sessions/load", {"name": "bob"}).status_code == 404
+    finally:
+        b.stop()

@@ -116,7 +116,7 @@ class Engine:
                 job.post(("done", None))
                 return {"id": rid, "cancelled": True, "kept_tokens": [0] * job.n}
             job.cancel = (kind, values)
-            if job.phase == "running":
+            if job.phase == "running":              # the worker applies it before the job ends
                 return {"id": rid, "cancelled": True, "kept_tokens": None}
         fut = self.call(lambda rt: self._truncate(job, rt))
         return {"id": rid, "cancelled": True, "kept_tokens": fut}
@@ -278,6 +278,11 @@ class Engine:
         job.post(("finish", c.index, reason, len(c.ids) - 1, list(c.ids)))
 
     def _finish(self, job: Job) -> None:
+        with self._cv:               # from here a cancel() finds the job ending and truncates after
+            job.phase = "ending"
+            cancel = job.cancel
+        if cancel is not None:       # came in before the end, even during the last step
+            self._rollback_delivered(job)
         completion = sum(len(c.ids) for c in job.choices)
         if job.session is not None:
             job.session.end_turn(job.choices[0].rt.tokens)
@@ -310,17 +315,21 @@ class Engine:
         return min(v, len(c.ids)) if kind == "tokens" else c.stream.covered(v)
 
     def _apply_cancel(self, job: Job) -> None:
-        kept = []
+        for c in job.choices:
+            if c.finish is None:
+                c.finish = "cancelled"
+        self._finish(job)
+
+    def _rollback_delivered(self, job: Job) -> None:
+        """The sessions hold prompt + delivered tokens: the rest is rolled back."""
+        job.kept = []
         for c in job.choices:
             k = self._keep(job, c)
             c.rt.rollback(len(job.prompt) + k)          # recurrent state included
             del c.ids[k:]
-            kept.append(k)
-            if c.finish is None:
-                c.finish = "cancelled"
+            job.kept.append(k)
+            if c.finish == "cancelled":
                 job.post(("finish", c.index, "cancelled", k - 1, list(c.ids)))
-        job.kept = kept
-        self._finish(job)
 
     def _truncate(self, job: Job, rt) -> list:
         """A cancel that came after the response finished: rewrite its conversation(s)."""
