@@ -233,17 +233,16 @@ async def _sse(engine, job, q, kind, model_name, req):
     try:
         async for ev in _events(job, q):
             if ev[0] == "delta":
-                _, i, text, tidx, ids = ev
-                c = P.chunk(kind, job.id, model_name, created, i, text, None, tidx, ids[sent[i]:], first[i])
-                first[i], sent[i] = False, len(ids)
+                _, i, text, tidx, new = ev
+                c = P.chunk(kind, job.id, model_name, created, i, text, None, tidx, new, first[i])
+                first[i], sent[i] = False, sent[i] + len(new)
                 yield f"data: {json.dumps(c)}\n\n"
-                job.delivered[i] = tidx + 1            # reached here: the chunk was handed to the socket
+                job.delivered[i] = sent[i]             # reached here: the chunk was handed to the socket
             elif ev[0] == "finish":
                 _, i, reason, tidx, ids = ev
-                c = P.chunk(kind, job.id, model_name, created, i, None, reason, tidx, ids[sent[i]:], first[i])
-                first[i], sent[i] = False, len(ids)
+                c = P.chunk(kind, job.id, model_name, created, i, None, reason, tidx, [], first[i])
+                first[i] = False
                 yield f"data: {json.dumps(c)}\n\n"
-                job.delivered[i] = tidx + 1
             elif ev[0] == "error":
                 done = True
                 yield f"data: {json.dumps(ev[1].body())}\n\n"

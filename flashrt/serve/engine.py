@@ -59,6 +59,7 @@ class Engine:
     def __init__(self, rt, budget_bytes: int, disk_dir=None, max_sessions: int = 4,
                  max_queue: int | None = None):
         self.rt = rt
+        self.reuse = budget_bytes > 0      # 0: every prompt prefilled in full (a baseline)
         self.tokenizer = rt.tokenizer
         self.vocab = rt.model.net.vocab_size
         self.eos = set(rt.model.eos_ids)
@@ -217,6 +218,9 @@ class Engine:
     def _prefill(self, job: Job) -> None:
         rt, mem = job.choices[0].rt, self.tiers.mem
         computed = 0
+        if not self.reuse:
+            rt.reset()
+            mem = None
         if job.pin and job.pin < len(job.prompt):
             key = hash(tuple(job.prompt[: job.pin]))
             if key not in self._pinned:
@@ -257,23 +261,20 @@ class Engine:
             if tok in self.eos:
                 self._end(job, c, "stop")
                 continue
-            text = c.stream.feed(tok)
-            if text:
-                self._post_delta(job, c, text)
+            self._post_delta(job, c, c.stream.feed(tok), [tok])   # a chunk per token, text or not
             if c.stream.stopped:
                 self._end(job, c, "stop", flush=False)
         if all(c.finish is not None for c in job.choices):
             self._finish(job)
 
-    def _post_delta(self, job, c, text) -> None:
-        k = c.stream.covered()
-        job.post(("delta", c.index, text, k - 1, c.ids[: k]))
+    def _post_delta(self, job, c, text, new_ids) -> None:
+        job.post(("delta", c.index, text, c.stream.covered() - 1, new_ids))
 
     def _end(self, job, c, reason, flush=True) -> None:
         if flush:
             text = c.stream.finish()
             if text:
-                self._post_delta(job, c, text)
+                self._post_delta(job, c, text, [])
         c.finish = reason
         job.post(("finish", c.index, reason, len(c.ids) - 1, list(c.ids)))
 
@@ -297,7 +298,7 @@ class Engine:
         for c in job.choices:
             if c.rt is None:
                 continue
-            if remember:
+            if remember and self.reuse:
                 self.tiers.remember_turn(c.rt)
             with self._cv:
                 self.free.append(c.rt)
@@ -337,8 +338,9 @@ class Engine:
         for c in job.choices:
             k = self._keep(job, c)
             toks = job.prompt + c.ids[:k]
-            rt.set_context(toks, store=self.tiers.mem)
-            self.tiers.remember_turn(rt)
+            if self.reuse:
+                rt.set_context(toks, store=self.tiers.mem)
+                self.tiers.remember_turn(rt)
             if job.session is not None and c.index == 0:
                 job.session.end_turn(toks)
             kept.append(k)

@@ -218,8 +218,10 @@ def choice(kind: str, index: int, text: str, finish: str, token_ids: list) -> di
 
 def chunk(kind: str, rid: str, model: str, created: int, index: int, text: str | None,
           finish: str | None, token_index: int | None, token_ids: list, first: bool) -> dict:
-    """One SSE chunk. token_index (extension): index of the last generated token whose text is
-    fully inside the text streamed so far; delivered_tokens for a cancel is token_index + 1."""
+    """One SSE chunk, one per generated token (extensions: token_ids, the ids generated since
+    the previous chunk; token_index, the index of the last token whose text is wholly inside
+    the text streamed so far: text lags the ids by a partial UTF-8 character or a held-back
+    stop-string prefix). Barge-in: delivered_tokens = ids received, or delivered_chars."""
     if kind == "chat":
         delta = {"role": "assistant", "content": text or ""} if first else (
             {"content": text} if text is not None else {})

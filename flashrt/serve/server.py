@@ -31,7 +31,8 @@ def parser(p=None) -> argparse.ArgumentParser:
     p.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: best for device)")
     p.add_argument("--max-seq-len", type=int, default=4096)
     p.add_argument("--capsule-budget-mb", type=float, default=1024,
-                   help="memory for stored capsules (prompt and turn ends); LRU beyond it")
+                   help="memory for stored capsules (prompt and turn ends), LRU beyond it; 0: no reuse, every "
+                   "prompt prefilled in full (the baseline of bench/serve.py)")
     p.add_argument("--capsule-dir", default=None,
                    help="write each turn's capsule here too; a restarted server reuses them")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' everywhere")
