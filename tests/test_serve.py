@@ -436,3 +436,36 @@ def test_api_key_and_restart_with_disk_tier(tiny, tmp_path, ref):
         assert b.post("/v1/sessions/load", {"name": "bob"}).status_code == 404
     finally:
         b.stop()
+
+
+# ---- a small pool: queue full, a disconnect frees the slot, a pinned prefix outlives eviction -------
+def test_queue_full_disconnect_and_pinned_prefix(tiny, tmp_path):
+    s = Server(tiny, "--max-sessions", "1", "--max-queue", "1", "--capsule-budget-mb", "0.2",
+               "--max-seq-len", "4096", log=tmp_path / "small.log")
+    try:
+        # long enough to still be running when the third request comes (a tiny step is ~ms)
+        body = {"model": s.model, "max_tokens": 4000, "temperature": 0, "stream": True, "ignore_eos": True}
+        url = s.url + "/v1/completions"
+        with httpx.stream("POST", url, json={**body, "prompt": rand_ids(8, 600)}, timeout=60) as r1:
+            lines = r1.iter_lines()            # kept alive: dropping it would close the stream
+            next(line for line in lines if line.startswith("data: {"))              # running
+            with httpx.stream("POST", url, json={**body, "prompt": rand_ids(8, 601)}, timeout=60) as r2:
+                assert r2.status_code == 200                                         # queued
+                r3 = httpx.post(url, json={"prompt": [1, 2], "max_tokens": 2}, timeout=60)
+                assert r3.status_code == 429 and r3.headers["retry-after"] == "1"
+                assert "queue full" in r3.json()["error"]["message"]
+        # both clients went away without a word: their slot and queue place are free again
+        s.complete(rand_ids(5, 602), max_tokens=2)
+        system, other = rand_ids(30, 700), rand_ids(30, 701)
+        s.complete(system + rand_ids(5, 702), max_tokens=2, pin_prefix=30)
+        s.complete(other + rand_ids(5, 703), max_tokens=2)
+        for i in range(12):                     # other conversations evict every unpinned capsule
+            s.complete(rand_ids(60, 800 + i), max_tokens=3)
+        pinned = s.complete(system + rand_ids(5, 704), max_tokens=2)
+        assert pinned["usage"]["prompt_tokens_details"]["cached_tokens"] == 30
+        evicted = s.complete(other + rand_ids(5, 705), max_tokens=2)
+        assert evicted["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        bad = s.post("/v1/completions", {"prompt": [1], "pin_prefix": 5})
+        assert bad.status_code == 400 and "pin_prefix" in bad.json()["error"]["message"]
+    finally:
+        s.stop()

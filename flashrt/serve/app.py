@@ -123,7 +123,7 @@ def create_app(engine, template, model_name: str, api_key: str | None = None, ma
         base = req.seed if req.seed is not None else new_seed()
         job = Job(id=P.new_id("chatcmpl" if kind == "chat" else "cmpl"), prompt=ids, n=req.n,
                   max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
-                  seed=req.seed, stops=req.stops(), pin=pin, session=session,
+                  seed=req.seed, stops=req.stops(), pin=pin, session=session, ignore_eos=req.ignore_eos,
                   post=lambda ev: loop.call_soon_threadsafe(q.put_nowait, ev))
         job.choices = [Choice(i, TextStream(engine.tokenizer, job.stops), base + i) for i in range(req.n)]
         engine.submit(job)

@@ -45,6 +45,7 @@ class Job:
     stops: list
     post: object                  # callable(event): thread-safe hand-off to the event loop
     pin: int = 0                  # leading prompt tokens whose capsule is pinned
+    ignore_eos: bool = False
     session: object = None        # sessions.Session the turn belongs to
     choices: list = field(default_factory=list)
     cached: int = 0
@@ -258,7 +259,7 @@ class Engine:
                 continue
             tok = out[0]
             c.ids.append(tok)
-            if tok in self.eos:
+            if tok in self.eos and not job.ignore_eos:
                 self._end(job, c, "stop")
                 continue
             self._post_delta(job, c, c.stream.feed(tok), [tok])   # a chunk per token, text or not

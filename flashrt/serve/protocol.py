@@ -57,6 +57,7 @@ class _Common(BaseModel):
     stop: Union[str, list[str], None] = None
     stream: bool = False
     stream_options: StreamOptions | None = None
+    ignore_eos: bool = False          # extension (as vLLM): generate max_tokens whatever comes
     # flashrt extension: keep the capsule of this many leading prompt tokens (or, for chat,
     # "system": of the leading system messages) pinned in the store, never evicted
     pin_prefix: Union[int, Literal["system"], None] = None
