@@ -7,7 +7,7 @@ appends to what was delivered, as a voice agent does after an interruption. Per 
   flashrt        `flashrt serve` (capsules at prompt and turn ends; restore/extend, prefill the rest)
   re-prefill     the same server with --capsule-budget-mb 0: every prompt prefilled in full,
                  what a voice framework gets today after it cancels and re-sends the conversation
-  in-process     Runtime.set_context(same tokens, CapsuleStore) + one greedy token in this
+  in-process     Runtime.set_context(same tokens, CapsuleStore) + the greedy token in this
                  process: the capsule TTFT with no HTTP, to show the server's overhead
 
 TTFT over HTTP = request sent -> first SSE chunk (one chunk per token). All three send
@@ -107,7 +107,7 @@ def in_process(ckpt, a, turns):
 
 
 def in_process_steps(ckpt, a, turns):
-    """Capsule TTFT on the same tokens, no HTTP: set_context + one greedy token per turn."""
+    """Capsule TTFT on the same tokens, no HTTP: set_context + the greedy token per turn."""
     from flashrt.capsules.store import CapsuleStore
     rt = C.load_flashrt(ckpt, a, a.max_seq_len)
     for _ in range(2):            # the first pass warms up (shapes, allocator); the second is timed
@@ -115,8 +115,8 @@ def in_process_steps(ckpt, a, turns):
         rt.reset()
         for t in turns:
             t0 = time.perf_counter()
-            rt.set_context(t["prompt"], store=store)
-            rt.generate(max_new_tokens=1, temperature=0.0)
+            logits = rt.set_context(t["prompt"], store=store)
+            int(logits.argmax())                                       # the first greedy token
             out.append(time.perf_counter() - t0)
             rt.set_context(t["prompt"] + t["reply"], store=store)     # the turn end, as served
     return out
@@ -187,7 +187,7 @@ def main(argv=None) -> int:
     t.notes += [f"turn {a.barge_turn}: cancelled after {a.barge_after} tokens (delivered_tokens); "
                 "the next turn appends to exactly what was delivered",
                 "re-prefill: the same server with --capsule-budget-mb 0 (cached tok always 0)",
-                "in-process: Runtime.set_context(same tokens, CapsuleStore) + 1 greedy token, no HTTP, "
+                "in-process: Runtime.set_context(same tokens, CapsuleStore) + argmax, no HTTP, "
                 "on a worker thread as in the server",
                 "llama-cpp-python's server: not measured in this run (not installed)"]
     C.print_tables([t])

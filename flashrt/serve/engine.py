@@ -16,6 +16,9 @@ import traceback
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
+import torch
+
+
 from .protocol import APIError
 from .text import TextStream
 from .tiers import Tiers
@@ -31,6 +34,8 @@ class Choice:
     rt: object = None
     ids: list = field(default_factory=list)
     finish: str | None = None
+    logits: object = None         # greedy: logits of the last committed token
+    pending: bool = False         # greedy: ids[-1] is sent but not yet run through the model
 
 
 @dataclass
@@ -232,8 +237,10 @@ class Engine:
                     self._pinned.add(key)
                 except ValueError as e:
                     job.post(("warning", f"prefix not pinned: {e}"))
-        rt.set_context(job.prompt, store=mem)
+        logits = rt.set_context(job.prompt, store=mem)
         computed += len(job.prompt) - rt.context_reused
+        for c in job.choices:
+            c.logits = logits        # forks restore the same state: the same logits
         job.cached = len(job.prompt) - computed
         if job.n > 1:                                   # the other choices fork the prompt's capsule
             cap, m = mem.match(job.prompt, self.fingerprint)
@@ -252,12 +259,10 @@ class Engine:
             if len(c.ids) >= job.max_tokens:
                 self._end(job, c, "length")
                 continue
-            out = c.rt.generate(max_new_tokens=1, temperature=job.temperature, top_p=job.top_p,
-                                seed=c.seed if not c.ids else None, ignore_eos=True)
-            if not out:                                 # the session is at max_seq_len
+            tok = self._next(job, c)
+            if tok is None:                             # the session is at max_seq_len
                 self._end(job, c, "length")
                 continue
-            tok = out[0]
             c.ids.append(tok)
             if tok in self.eos and not job.ignore_eos:
                 self._end(job, c, "stop")
@@ -267,6 +272,22 @@ class Engine:
                 self._end(job, c, "stop", flush=False)
         if all(c.finish is not None for c in job.choices):
             self._finish(job)
+
+    def _next(self, job: Job, c: Choice):
+        """One token. Greedy sends it before running it through the model (the step that
+        makes the next logits), so TTFT is the prefill alone; sampling goes through
+        rt.generate (the session's RNG), which runs the token before returning it."""
+        rt = c.rt
+        if job.temperature == 0.0:
+            if c.pending:
+                if rt.position >= rt.max_seq_len:
+                    return None
+                c.logits = rt.decode(c.ids[-1])
+            c.pending = True
+            return int(torch.argmax(c.logits))         # the sampler's greedy rule, same logits
+        out = rt.generate(max_new_tokens=1, temperature=job.temperature, top_p=job.top_p,
+                          seed=c.seed if not c.ids else None, ignore_eos=True)
+        return out[0] if out else None
 
     def _post_delta(self, job, c, text, new_ids) -> None:
         job.post(("delta", c.index, text, c.stream.covered() - 1, new_ids))
@@ -285,6 +306,10 @@ class Engine:
             cancel = job.cancel
         if cancel is not None:       # came in before the end, even during the last step
             self._rollback_delivered(job)
+        for c in job.choices:        # the history holds every kept id, the last one included
+            if c.pending and c.rt.position < len(job.prompt) + len(c.ids):
+                c.rt.decode(c.ids[-1])
+            c.pending = False
         completion = sum(len(c.ids) for c in job.choices)
         if job.session is not None:
             job.session.end_turn(job.choices[0].rt.tokens)
@@ -327,8 +352,10 @@ class Engine:
         job.kept = []
         for c in job.choices:
             k = self._keep(job, c)
-            c.rt.rollback(len(job.prompt) + k)          # recurrent state included
             del c.ids[k:]
+            c.pending = c.pending and len(c.ids) == k and c.rt.position < len(job.prompt) + k
+            if c.rt.position > len(job.prompt) + k:
+                c.rt.rollback(len(job.prompt) + k)      # recurrent state included
             job.kept.append(k)
             if c.finish == "cancelled":
                 job.post(("finish", c.index, "cancelled", k - 1, list(c.ids)))
