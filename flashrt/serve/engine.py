@@ -16,12 +16,11 @@ import traceback
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
-import torch
-
 
 from .protocol import APIError
 from .text import TextStream
 from .tiers import Tiers
+from .turns import Turns
 
 _RECENT = 512            # finished jobs kept so a late cancel still finds its conversation
 
@@ -68,9 +67,8 @@ class Engine:
         self.reuse = budget_bytes > 0      # 0: every prompt prefilled in full (a baseline)
         self.tokenizer = rt.tokenizer
         self.vocab = rt.model.net.vocab_size
-        self.eos = set(rt.model.eos_ids)
-        self.fingerprint = rt.fingerprint
         self.tiers = Tiers(budget_bytes, disk_dir)
+        self.turns = Turns(self.tiers, rt.model.eos_ids, rt.fingerprint, self.reuse)
         self.slots = [rt] + [rt.fork() for _ in range(max_sessions - 1)]
         self.free = list(self.slots)
         self.max_queue = max_queue if max_queue is not None else 4 * max_sessions
@@ -78,7 +76,6 @@ class Engine:
         self._active: list = []
         self._jobs: OrderedDict = OrderedDict()       # id -> Job, active and recent
         self._calls: deque = deque()                  # (fn(rt), Future) run on a free session
-        self._pinned: set = set()
         self._cv = threading.Condition()
         self._stop = False
         self.error: str | None = None
@@ -125,7 +122,7 @@ class Engine:
             job.cancel = (kind, values)
             if job.phase == "running":              # the worker applies it before the job ends
                 return {"id": rid, "cancelled": True, "kept_tokens": None}
-        fut = self.call(lambda rt: self._truncate(job, rt))
+        fut = self.call(lambda rt: self.turns.truncate(job, rt))
         return {"id": rid, "cancelled": True, "kept_tokens": fut}
 
     def running(self) -> list:
@@ -166,7 +163,7 @@ class Engine:
                 for fn, fut in calls:
                     self._run_call(fn, fut)
                 for job in admitted:
-                    self._guard(job, self._prefill)
+                    self._guard(job, self.turns.prefill)
                 for job in list(self._active):
                     if job.phase == "running":
                         self._guard(job, self._step)
@@ -221,98 +218,15 @@ class Engine:
                 job.session.end_turn(None)
             self._release(job, remember=False)
 
-    def _prefill(self, job: Job) -> None:
-        rt, mem = job.choices[0].rt, self.tiers.mem
-        computed = 0
-        if not self.reuse:
-            rt.reset()
-            mem = None
-        if job.pin and job.pin < len(job.prompt):
-            key = hash(tuple(job.prompt[: job.pin]))
-            if key not in self._pinned:
-                rt.set_context(job.prompt[: job.pin], store=mem, remember=False)
-                computed += job.pin - rt.context_reused
-                try:
-                    mem.put(rt.snapshot(), pin=True)
-                    self._pinned.add(key)
-                except ValueError as e:
-                    job.post(("warning", f"prefix not pinned: {e}"))
-        logits = rt.set_context(job.prompt, store=mem)
-        computed += len(job.prompt) - rt.context_reused
-        for c in job.choices:
-            c.logits = logits        # forks restore the same state: the same logits
-        job.cached = len(job.prompt) - computed
-        if job.n > 1:                                   # the other choices fork the prompt's capsule
-            cap, m = mem.match(job.prompt, self.fingerprint)
-            if m != len(job.prompt):
-                cap = rt.snapshot()
-            for c in job.choices[1:]:
-                c.rt.restore(cap)
-
     def _step(self, job: Job) -> None:
-        if job.cancel is not None:
-            self._apply_cancel(job)
-            return
-        for c in job.choices:
-            if c.finish is not None:
-                continue
-            if len(c.ids) >= job.max_tokens:
-                self._end(job, c, "length")
-                continue
-            tok = self._next(job, c)
-            if tok is None:                             # the session is at max_seq_len
-                self._end(job, c, "length")
-                continue
-            c.ids.append(tok)
-            if tok in self.eos and not job.ignore_eos:
-                self._end(job, c, "stop")
-                continue
-            self._post_delta(job, c, c.stream.feed(tok), [tok])   # a chunk per token, text or not
-            if c.stream.stopped:
-                self._end(job, c, "stop", flush=False)
-        if all(c.finish is not None for c in job.choices):
+        if self.turns.step(job):
             self._finish(job)
-
-    def _next(self, job: Job, c: Choice):
-        """One token. Greedy sends it before running it through the model (the step that
-        makes the next logits), so TTFT is the prefill alone; sampling goes through
-        rt.generate (the session's RNG), which runs the token before returning it."""
-        rt = c.rt
-        if job.temperature == 0.0:
-            if c.pending:
-                if rt.position >= rt.max_seq_len:
-                    return None
-                c.logits = rt.decode(c.ids[-1])
-            c.pending = True
-            return int(torch.argmax(c.logits))         # the sampler's greedy rule, same logits
-        out = rt.generate(max_new_tokens=1, temperature=job.temperature, top_p=job.top_p,
-                          seed=c.seed if not c.ids else None, ignore_eos=True)
-        return out[0] if out else None
-
-    def _post_delta(self, job, c, text, new_ids) -> None:
-        job.post(("delta", c.index, text, c.stream.covered() - 1, new_ids))
-
-    def _end(self, job, c, reason, flush=True) -> None:
-        if flush:
-            text = c.stream.finish()
-            if text:
-                self._post_delta(job, c, text, [])
-        c.finish = reason
-        job.post(("finish", c.index, reason, len(c.ids) - 1, list(c.ids)))
 
     def _finish(self, job: Job) -> None:
         with self._cv:               # from here a cancel() finds the job ending and truncates after
             job.phase = "ending"
             cancel = job.cancel
-        if cancel is not None:       # came in before the end, even during the last step
-            self._rollback_delivered(job)
-        for c in job.choices:        # the history holds every kept id, the last one included
-            if c.pending and c.rt.position < len(job.prompt) + len(c.ids):
-                c.rt.decode(c.ids[-1])
-            c.pending = False
-        completion = sum(len(c.ids) for c in job.choices)
-        if job.session is not None:
-            job.session.end_turn(job.choices[0].rt.tokens)
+        completion = self.turns.end(job, cancel)
         self._release(job, remember=True)
         job.post(("done", (len(job.prompt), completion, job.cached)))
 
@@ -333,47 +247,6 @@ class Engine:
         with self._cv:
             while len(self._jobs) > _RECENT and next(iter(self._jobs.values())).phase == "done":
                 self._jobs.popitem(last=False)
-
-    def _keep(self, job: Job, c: Choice) -> int:
-        kind, vals = job.cancel
-        if vals is None:
-            return min(job.delivered[c.index], len(c.ids))
-        v = vals[c.index]
-        return min(v, len(c.ids)) if kind == "tokens" else c.stream.covered(v)
-
-    def _apply_cancel(self, job: Job) -> None:
-        for c in job.choices:
-            if c.finish is None:
-                c.finish = "cancelled"
-        self._finish(job)
-
-    def _rollback_delivered(self, job: Job) -> None:
-        """The sessions hold prompt + delivered tokens: the rest is rolled back."""
-        job.kept = []
-        for c in job.choices:
-            k = self._keep(job, c)
-            del c.ids[k:]
-            c.pending = c.pending and len(c.ids) == k and c.rt.position < len(job.prompt) + k
-            if c.rt.position > len(job.prompt) + k:
-                c.rt.rollback(len(job.prompt) + k)      # recurrent state included
-            job.kept.append(k)
-            if c.finish == "cancelled":
-                job.post(("finish", c.index, "cancelled", k - 1, list(c.ids)))
-
-    def _truncate(self, job: Job, rt) -> list:
-        """A cancel that came after the response finished: rewrite its conversation(s)."""
-        kept = []
-        for c in job.choices:
-            k = self._keep(job, c)
-            toks = job.prompt + c.ids[:k]
-            if self.reuse:
-                rt.set_context(toks, store=self.tiers.mem)
-                self.tiers.remember_turn(rt)
-            if job.session is not None and c.index == 0:
-                job.session.end_turn(toks)
-            kept.append(k)
-        return kept
-
 
 def new_seed() -> int:
     return secrets.randbits(62)
