@@ -52,8 +52,9 @@ def parse(argv):
 def start_server(ckpt, a, budget_mb):
     sys.path.insert(0, str(C.ROOT / "tests"))
     from serve_util import Server
+    threads = ["--threads", str(a.threads)] if a.threads else []
     return Server(ckpt, "--capsule-budget-mb", str(budget_mb), "--max-sessions", "1",
-                  "--max-seq-len", str(a.max_seq_len), "--dtype", a.dtype, "--device", a.device)
+                  "--max-seq-len", str(a.max_seq_len), "--dtype", a.dtype, "--device", a.device, *threads)
 
 
 def stream_turn(srv, prompt, a, barge: bool):
@@ -108,7 +109,11 @@ def in_process(ckpt, a, turns):
 
 def in_process_steps(ckpt, a, turns):
     """Capsule TTFT on the same tokens, no HTTP: set_context + the greedy token per turn."""
+    import torch
+
     from flashrt.capsules.store import CapsuleStore
+    if a.threads:                 # per calling thread, as in the server's engine
+        torch.set_num_threads(a.threads)
     rt = C.load_flashrt(ckpt, a, a.max_seq_len)
     for _ in range(2):            # the first pass warms up (shapes, allocator); the second is timed
         store, out = CapsuleStore(device_bytes=8 << 30), []

@@ -62,8 +62,8 @@ class Job:
 
 class Engine:
     def __init__(self, rt, budget_bytes: int, disk_dir=None, max_sessions: int = 4,
-                 max_queue: int | None = None):
-        self.rt = rt
+                 max_queue: int | None = None, threads: int | None = None):
+        self.rt, self.threads = rt, threads
         self.reuse = budget_bytes > 0      # 0: every prompt prefilled in full (a baseline)
         self.tokenizer = rt.tokenizer
         self.vocab = rt.model.net.vocab_size
@@ -148,6 +148,9 @@ class Engine:
 
     # ---- worker --------------------------------------------------------------------------
     def _loop(self) -> None:
+        if self.threads:             # torch's OpenMP thread count is per calling thread
+            import torch
+            torch.set_num_threads(self.threads)
         try:
             while True:
                 with self._cv:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 
 def build(model_dir, device="cpu", dtype=None, max_seq_len=4096, capsule_budget_mb=1024,
-          capsule_dir=None, api_key=None, max_sessions=4, max_queue=None, seed=0):
+          capsule_dir=None, api_key=None, max_sessions=4, max_queue=None, seed=0, threads=None):
     """(app, engine): load the model with max_sessions sessions and wire the routes."""
     import flashrt
     from .app import create_app
@@ -16,7 +16,7 @@ def build(model_dir, device="cpu", dtype=None, max_seq_len=4096, capsule_budget_
         raise ValueError(f"--max-sessions must be >= 1, got {max_sessions}")
     rt = flashrt.load(model_dir, device=device, dtype=dtype, max_seq_len=max_seq_len,
                       sessions=max_sessions, seed=seed)
-    engine = Engine(rt, int(capsule_budget_mb * (1 << 20)), capsule_dir, max_sessions, max_queue)
+    engine = Engine(rt, int(capsule_budget_mb * (1 << 20)), capsule_dir, max_sessions, max_queue, threads)
     name = Path(model_dir).resolve().name
     app = create_app(engine, ChatTemplate(model_dir), name, api_key)
     return app, engine
@@ -38,6 +38,7 @@ def parser(p=None) -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' everywhere")
     p.add_argument("--max-sessions", type=int, default=4, help="model sessions (concurrent requests)")
     p.add_argument("--max-queue", type=int, default=None, help="waiting requests before 429 (default 4x sessions)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads of the engine (default: torch's)")
     return p
 
 
@@ -45,7 +46,8 @@ def main(args) -> int:
     import uvicorn
     from .app import Guard, MAX_BODY
     app, engine = build(args.model, args.device, args.dtype, args.max_seq_len, args.capsule_budget_mb,
-                        args.capsule_dir, args.api_key, args.max_sessions, args.max_queue)
+                        args.capsule_dir, args.api_key, args.max_sessions, args.max_queue,
+                        threads=args.threads)
     if args.host not in ("127.0.0.1", "localhost", "::1"):
         print(f"flashrt serve: listening on {args.host}, not loopback only"
               + ("" if args.api_key else " and WITHOUT an API key"))
