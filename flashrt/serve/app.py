@@ -205,12 +205,13 @@ async def _events(job, q):
 
 async def _collect(request, engine, job, q, kind, model_name):
     texts, finish, ids = [""] * job.n, [None] * job.n, [[] for _ in range(job.n)]
-    created = P.now()
+    created, gone = P.now(), False
     while True:
         try:
             ev = await asyncio.wait_for(q.get(), timeout=0.25)
         except asyncio.TimeoutError:
-            if job.phase != "done" and await request.is_disconnected():
+            if not gone and job.phase != "done" and await request.is_disconnected():
+                gone = True
                 engine.cancel(job.id, "tokens", [0] * job.n)    # nothing was delivered
             continue
         if ev[0] == "delta":
