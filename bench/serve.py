@@ -57,14 +57,13 @@ def start_server(ckpt, a, budget_mb):
                   "--max-seq-len", str(a.max_seq_len), "--dtype", a.dtype, "--device", a.device, *threads)
 
 
-def stream_turn(srv, prompt, a, barge: bool):
+def stream_turn(srv, client, prompt, a, barge: bool):
     """One streamed turn: (ttft s, delivered reply ids, cached_tokens)."""
-    import httpx
     body = {"model": srv.model, "prompt": prompt, "max_tokens": a.reply_tokens, "temperature": 0,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
     ids, ttft, usage, rid = [], None, None, None
     t0 = time.perf_counter()
-    with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=600) as r:
+    with client.stream("POST", srv.url + "/v1/completions", json=body) as r:
         for line in r.iter_lines():
             if not line.startswith("data: {"):
                 continue
@@ -84,7 +83,10 @@ def stream_turn(srv, prompt, a, barge: bool):
 
 
 def dialogue(srv, a, seed, prompts=None):
-    """Run the dialogue; prompts=None builds it (history + user turn), else replays those."""
+    """Run the dialogue; prompts=None builds it (history + user turn), else replays those.
+    One keep-alive client, as an agent holds: a fresh httpx client costs ~60 ms by itself."""
+    import httpx
+    client = httpx.Client(timeout=600)
     r = random.Random(seed)
     V = 256                       # byte ids: any checkpoint's vocabulary has them
     history = [r.randrange(V) for _ in range(a.system_tokens)]
@@ -93,9 +95,10 @@ def dialogue(srv, a, seed, prompts=None):
     for t in range(1, a.turns + 1):
         user = [r.randrange(V) for _ in range(a.user_tokens)]
         prompt = prompts[t - 1]["prompt"] if prompts else history + user
-        ttft, reply, cached = stream_turn(srv, prompt, a, barge=(t == a.barge_turn))
+        ttft, reply, cached = stream_turn(srv, client, prompt, a, barge=(t == a.barge_turn))
         out.append({"turn": t, "prompt": prompt, "reply": reply, "ttft": ttft, "cached": cached})
         history = prompt + reply
+    client.close()
     return out
 
 
