@@ -10,7 +10,9 @@ appends to what was delivered, as a voice agent does after an interruption. Per 
   in-process     Runtime.set_context(same tokens, CapsuleStore) + the greedy token in this
                  process: the capsule TTFT with no HTTP, to show the server's overhead
 
-TTFT over HTTP = request sent -> first SSE chunk (one chunk per token). All three send
+TTFT over HTTP = request sent -> first SSE chunk (one chunk per token), on one keep-alive
+client; the flashrt server and the in-process run first do one untimed dialogue of the same
+shape (other tokens). All three send
 identical token ids (the flashrt run's prompts). llama-cpp-python's server is not measured
 here (not installed on this machine; its column is left out rather than estimated).
 
@@ -163,6 +165,8 @@ def main(argv=None) -> int:
     for rep in range(a.repeats):
         srv = start_server(ckpt, a, 4096)
         try:
+            # an untimed dialogue of the same shape first, as the in-process run warms up
+            dialogue(srv, a, seed=1000 + rep)
             runs["flashrt"].append(dialogue(srv, a, seed=rep))
         finally:
             srv.stop()
