@@ -7,9 +7,10 @@ from pathlib import Path
 
 def build(model_dir, device="cpu", dtype=None, max_seq_len=4096, capsule_budget_mb=1024,
           capsule_dir=None, api_key=None, max_sessions=4, max_queue=None, seed=0, threads=None):
-    """(app, engine): load the model with max_sessions sessions and wire the routes."""
+    """(asgi app, engine): load the model with max_sessions sessions, wire the routes, and
+    guard every path (API key when given, body size limit)."""
     import flashrt
-    from .app import create_app
+    from .app import MAX_BODY, Guard, create_app
     from .engine import Engine
     from .text import ChatTemplate
     if max_sessions < 1:
@@ -19,7 +20,7 @@ def build(model_dir, device="cpu", dtype=None, max_seq_len=4096, capsule_budget_
     engine = Engine(rt, int(capsule_budget_mb * (1 << 20)), capsule_dir, max_sessions, max_queue, threads)
     name = Path(model_dir).resolve().name
     app = create_app(engine, ChatTemplate(model_dir), name, api_key)
-    return app, engine
+    return Guard(app, api_key, MAX_BODY), engine
 
 
 def parser(p=None) -> argparse.ArgumentParser:
@@ -44,7 +45,6 @@ def parser(p=None) -> argparse.ArgumentParser:
 
 def main(args) -> int:
     import uvicorn
-    from .app import Guard, MAX_BODY
     app, engine = build(args.model, args.device, args.dtype, args.max_seq_len, args.capsule_budget_mb,
                         args.capsule_dir, args.api_key, args.max_sessions, args.max_queue,
                         threads=args.threads)
@@ -52,7 +52,7 @@ def main(args) -> int:
         print(f"flashrt serve: listening on {args.host}, not loopback only"
               + ("" if args.api_key else " and WITHOUT an API key"))
     try:
-        uvicorn.run(Guard(app, args.api_key, MAX_BODY), host=args.host, port=args.port, log_level="warning")
+        uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     finally:
         engine.close()              # waits for queued turn capsules to reach the disk
     return 0
