@@ -27,6 +27,9 @@ setup() {
   if ! "$PY" -c "import triton" 2>/dev/null; then
     "$PY" -m pip install -q "triton==3.9.0" || echo "triton unavailable: its kernel tests will skip"
   fi
+  # the serve extra (flashrt serve and tests/test_serve.py)
+  "$PY" -m pip install -q "fastapi>=0.110" "uvicorn>=0.29" "jinja2>=3.1" "tokenizers>=0.19" \
+      "openai>=1.30" "httpx>=0.27"
   # --no-deps: never let pip swap the torch that is already there.
   "$PY" -m pip install -q --no-build-isolation --no-deps .
   # from tests/, so the installed package is imported rather than the source tree

@@ -1,4 +1,4 @@
-"""Command line: generate, demo, make-checkpoint, layout, bench."""
+"""Command line: generate, demo, make-checkpoint, layout, serve, bench."""
 from __future__ import annotations
 
 import argparse
@@ -71,6 +71,15 @@ def cmd_bench(args) -> int:
     return 0
 
 
+def cmd_serve(args) -> int:
+    try:
+        from flashrt.serve.server import main as serve_main
+    except ImportError as e:
+        print(f"flashrt serve needs the serve extra (pip install 'flashrt[serve]'): {e}", file=sys.stderr)
+        return 2
+    return serve_main(args)
+
+
 def _model_args(p):
     p.add_argument("--model", required=True, help="Hugging Face-format checkpoint directory")
     p.add_argument("--device", default="cpu")
@@ -108,8 +117,12 @@ def main(argv=None) -> int:
     lay = sub.add_parser("layout", help="print the arena layout of a checkpoint")
     _model_args(lay)
     lay.set_defaults(fn=cmd_layout)
-    b = sub.add_parser("bench", help="run a benchmark: ttft | capsules | ablation | models")
-    b.add_argument("which", choices=["ttft", "capsules", "ablation", "models"])
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server with capsule reuse and barge-in")
+    from flashrt.serve.server import parser as serve_parser
+    serve_parser(s)
+    s.set_defaults(fn=cmd_serve)
+    b = sub.add_parser("bench", help="run a benchmark: ttft | capsules | ablation | models | serve")
+    b.add_argument("which", choices=["ttft", "capsules", "ablation", "models", "serve"])
     b.add_argument("rest", nargs=argparse.REMAINDER)
     b.set_defaults(fn=cmd_bench)
     args = ap.parse_args(argv)

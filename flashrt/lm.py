@@ -54,7 +54,7 @@ class LanguageModel:
         self._lock = threading.RLock()
         self.embeds = EmbeddingSegments()   # re-run on rollback; shared with forks
         self.finish_reason = None
-        self.last_reused = 0              # positions set_context took over instead of re-running
+        self.context_reused = 0              # positions set_context took over instead of re-running
         self.speculator = None            # flashrt.speculative state, made on first use
         self.graphs = None
         if options.cuda_graphs and model.device.type == "cuda":
@@ -283,11 +283,11 @@ class LanguageModel:
     def set_context(self, context, store=None, remember: bool = True) -> torch.Tensor:
         """Make the whole context exactly `context` (token ids, and (T, hidden) embedding
         tensors for multimodal segments); returns the float32 last logits. Reuses this
-        session's history or the longest prefix in `store` (flashrt/reuse.py); last_reused
+        session's history or the longest prefix in `store` (flashrt/reuse.py); context_reused
         says how many positions were taken over instead of re-run."""
         from flashrt.reuse import set_context
         with self._lock:
-            self.last_reused = set_context(self, context, store, remember)
+            self.context_reused = set_context(self, context, store, remember)
             return self.arena["meta.logits"].clone()
 
 

@@ -58,14 +58,14 @@ def test_store_matches_a_repeated_image_prefix_by_content(runtime):
     a.set_context([img, *instr], store=st)
     b = runtime(ARCH)
     logits = b.set_context([img, *instr, 61, 62], store=st)
-    assert b.last_reused == 15                                        # image + instruction restored
+    assert b.context_reused == 15                                        # image + instruction restored
     cold = runtime(ARCH)
     cold.prefill(embeds=img)
     want = cold.prefill(instr + [61, 62])
     assert (logits - want).abs().max() <= 1e-4
     c = runtime(ARCH)
     c.set_context([other, *instr], store=st)                          # another image: no reuse
-    assert c.last_reused == 0
+    assert c.context_reused == 0
 
 
 def test_bad_inputs_are_refused_with_the_state_untouched(runtime):

@@ -852,3 +852,21 @@ def test_ops_independent_of_garbage_collection(seed, runtime):
     for i, (x, y) in enumerate(zip(a, b)):
         assert torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y, (i, seq[i][0])
     assert torch.equal(sa, sb)
+
+
+def test_set_context_reports_reused_tokens(runtime):
+    """context_reused: tokens of the new context not run through the model (a server's
+    cached_tokens); a rollback that re-prefills from an earlier point does not count them."""
+    rt, st = runtime("qwen3_5"), CapsuleStore(device_bytes=1 << 26)
+    a = list(range(1, 41))
+    rt.set_context(a, store=st)
+    assert rt.context_reused == 0
+    rt.set_context(a + [5, 6, 7], store=st)          # extends its own history
+    assert rt.context_reused == 40
+    rt.reset()
+    rt.set_context(a + [9], store=st)                # restores the capsule stored at 40
+    assert rt.context_reused == 40
+    rt.set_context(a[:20] + [1], store=st)           # no capsule at or below 20: all re-run
+    assert rt.context_reused == 0
+    rt.set_context(a[:20] + [1], store=st)           # the same context again: nothing to run
+    assert rt.context_reused == 21

@@ -1,0 +1,262 @@
+"""FastAPI routes: parse (protocol.py), hand a Job to the engine, stream its events back.
+
+OpenAI endpoints: GET /v1/models, POST /v1/completions, POST /v1/chat/completions, plus
+POST /v1/{chat/completions,completions}/{id}/cancel (barge-in). Sessions: see sessions.py.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException
+
+from . import protocol as P
+from .engine import Choice, Job, new_seed
+from .sessions import SessionTable
+from .text import TextStream
+
+MAX_BODY = 8 << 20
+
+
+class Guard:
+    """ASGI middleware: bearer API key on every path (when set) and a request body limit."""
+
+    def __init__(self, app, api_key: str | None, max_body: int):
+        self.app, self.key, self.max_body = app, api_key, max_body
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope["headers"])
+        if self.key is not None:
+            auth = headers.get(b"authorization", b"").decode("latin-1")
+            if not (auth.startswith("Bearer ") and secrets.compare_digest(auth[7:].encode(), self.key.encode())):
+                err = P.APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
+                                 type="authentication_error", code="invalid_api_key")
+                return await _send_error(err, scope, receive, send)
+        length = headers.get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_body:
+            return await _send_error(_too_big(int(length), self.max_body), scope, receive, send)
+        seen = 0
+
+        async def limited():
+            nonlocal seen
+            msg = await receive()
+            if msg["type"] == "http.request":
+                seen += len(msg.get("body", b""))
+                if seen > self.max_body:
+                    raise _TooBig(seen)
+            return msg
+        try:
+            await self.app(scope, limited, send)
+        except _TooBig as e:
+            await _send_error(_too_big(e.args[0], self.max_body), scope, receive, send)
+
+
+class _TooBig(Exception):
+    pass
+
+
+def _too_big(n, limit):
+    return P.APIError(413, f"request body of {n}+ bytes exceeds the limit of {limit} bytes",
+                      code="body_too_large")
+
+
+async def _send_error(err, scope, receive, send):
+    await _error_response(err)(scope, receive, send)
+
+
+def _error_response(err: P.APIError) -> JSONResponse:
+    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+
+
+def create_app(engine, template, model_name: str, api_key: str | None = None, max_body: int = MAX_BODY) -> FastAPI:
+    app = FastAPI(title="flashrt serve", docs_url=None, redoc_url=None, openapi_url=None)
+    sessions = SessionTable()
+    app.state.model_name = model_name
+    rt_max = engine.rt.max_seq_len
+
+    @app.exception_handler(P.APIError)
+    async def _api_error(request, exc: P.APIError):
+        return _error_response(exc)
+
+    @app.exception_handler(HTTPException)
+    async def _http_error(request, exc: HTTPException):
+        return _error_response(P.APIError(exc.status_code, f"{exc.detail}: {request.method} {request.url.path}",
+                                          code="not_found" if exc.status_code == 404 else None))
+
+    def check_model(req):
+        if req.model and req.model != model_name:
+            raise P.APIError(404, f"unknown model {req.model!r}: this server serves {model_name!r}",
+                             param="model", code="model_not_found")
+
+    def check_prompt(ids: list, req) -> int:
+        bad = next((j for j, t in enumerate(ids) if not (isinstance(t, int) and 0 <= t < engine.vocab)), None)
+        if bad is not None:
+            raise P.APIError(400, f"token id {ids[bad]!r} at index {bad} is outside the vocabulary "
+                             f"[0, {engine.vocab})", param="prompt")
+        if len(ids) >= rt_max:
+            raise P.APIError(400, f"prompt of {len(ids)} tokens leaves no room to generate: "
+                             f"max_seq_len is {rt_max}", param="prompt", code="context_length_exceeded")
+        limit = req.limit()
+        if limit is not None and limit > rt_max:
+            raise P.APIError(400, f"max_tokens {limit} exceeds max_seq_len {rt_max}", param="max_tokens")
+        if isinstance(req.pin_prefix, int) and not 0 <= req.pin_prefix <= len(ids):
+            raise P.APIError(400, f"pin_prefix {req.pin_prefix} is outside the prompt [0, {len(ids)}]",
+                             param="pin_prefix")
+        room = rt_max - len(ids)
+        return min(limit, room) if limit is not None else room
+
+    async def run(request, kind, req, ids, pin=0, session=None, default_max=None):
+        check_model(req)
+        max_tokens = check_prompt(ids, req)
+        if default_max is not None and req.limit() is None:
+            max_tokens = min(max_tokens, default_max)
+        if isinstance(req.pin_prefix, int):
+            pin = req.pin_prefix
+        if session is not None and req.n != 1:
+            raise P.APIError(400, "n must be 1 in a session turn", param="n")
+        loop, q = asyncio.get_running_loop(), asyncio.Queue()
+        base = req.seed if req.seed is not None else new_seed()
+        job = Job(id=P.new_id("chatcmpl" if kind == "chat" else "cmpl"), prompt=ids, n=req.n,
+                  max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
+                  seed=req.seed, stops=req.stops(), pin=pin, session=session, ignore_eos=req.ignore_eos,
+                  post=lambda ev: loop.call_soon_threadsafe(q.put_nowait, ev))
+        job.choices = [Choice(i, TextStream(engine.tokenizer, job.stops), base + i) for i in range(req.n)]
+        engine.submit(job)
+        if req.stream:
+            return StreamingResponse(_sse(engine, job, q, kind, model_name, req), media_type="text/event-stream")
+        return await _collect(request, engine, job, q, kind, model_name)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0,
+                                            "owned_by": "flashrt", "max_seq_len": rt_max}]}
+
+    @app.get("/health")
+    async def health():
+        if engine.error:
+            raise P.APIError(503, engine.error, type="server_error")
+        return {"status": "ok"}
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        req = P.parse(P.ChatRequest, await request.body())
+        try:
+            msgs = [{"role": m.role, "content": m.text()} for m in req.messages]
+            ids = engine.tokenizer.encode(template.render(msgs))
+            pin = 0
+            if req.pin_prefix == "system":
+                sys_msgs = [m for m in msgs[: next((i for i, m in enumerate(msgs) if m["role"] != "system"), len(msgs))]]
+                pre = engine.tokenizer.encode(template.render(sys_msgs, add_generation_prompt=False)) if sys_msgs else []
+                if ids[: len(pre)] != pre:
+                    raise ValueError("pin_prefix='system': the rendered system messages are not a "
+                                     "token prefix of the prompt under this template")
+                pin = len(pre)
+        except ValueError as e:
+            raise P.APIError(400, str(e), param="messages") from None
+        return await run(request, "chat", req, ids, pin=pin)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        req = P.parse(P.CompletionRequest, await request.body())
+        p = req.prompt_one()
+        ids = engine.tokenizer.encode(p) if isinstance(p, str) else list(p)
+        if req.pin_prefix == "system":
+            raise P.APIError(400, "pin_prefix='system' needs chat messages; give a token count",
+                             param="pin_prefix")
+        return await run(request, "text", req, ids, default_max=16)
+
+    async def cancel(rid: str, request: Request):
+        body = await request.body()
+        c = P.parse(P.CancelRequest, body or b"{}")
+        job = engine.job(rid)
+        kind, vals = c.per_choice(job.n)
+        out = engine.cancel(rid, kind, vals)
+        if hasattr(out["kept_tokens"], "result"):
+            out["kept_tokens"] = await asyncio.wrap_future(out["kept_tokens"])
+        elif out["kept_tokens"] is None:
+            await asyncio.to_thread(job_done_wait, job)
+            out["kept_tokens"] = getattr(job, "kept", None)
+        return out
+
+    app.post("/v1/chat/completions/{rid}/cancel")(cancel)
+    app.post("/v1/completions/{rid}/cancel")(cancel)
+
+    from .session_routes import add_session_routes
+    add_session_routes(app, engine, sessions, run)
+    return app
+
+
+def job_done_wait(job, timeout: float = 30.0) -> None:
+    job.finished.wait(timeout)
+
+
+async def _events(job, q):
+    while True:
+        ev = await q.get()
+        yield ev
+        if ev[0] in ("done", "error"):
+            return
+
+
+async def _collect(request, engine, job, q, kind, model_name):
+    texts, finish, ids = [""] * job.n, [None] * job.n, [[] for _ in range(job.n)]
+    created, gone = P.now(), False
+    while True:
+        try:
+            ev = await asyncio.wait_for(q.get(), timeout=0.25)
+        except asyncio.TimeoutError:
+            if not gone and job.phase != "done" and await request.is_disconnected():
+                gone = True
+                engine.cancel(job.id, "tokens", [0] * job.n)    # nothing was delivered
+            continue
+        if ev[0] == "delta":
+            texts[ev[1]] += ev[2]
+        elif ev[0] == "finish":
+            finish[ev[1]], ids[ev[1]] = ev[2], ev[4]
+        elif ev[0] == "error":
+            raise ev[1]
+        elif ev[0] == "done":
+            if ev[1] is None:
+                raise P.APIError(499, "request cancelled before it started", code="cancelled")
+            choices = [P.choice(kind, i, texts[i], finish[i], ids[i]) for i in range(job.n)]
+            return P.response(kind, job.id, model_name, choices, P.usage(*ev[1]), created)
+
+
+async def _sse(engine, job, q, kind, model_name, req):
+    created, done = P.now(), False
+    first, sent = [True] * job.n, [0] * job.n
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    try:
+        async for ev in _events(job, q):
+            if ev[0] == "delta":
+                _, i, text, tidx, new = ev
+                c = P.chunk(kind, job.id, model_name, created, i, text, None, tidx, new, first[i])
+                first[i], sent[i] = False, sent[i] + len(new)
+                yield f"data: {json.dumps(c)}\n\n"
+                job.delivered[i] = sent[i]             # reached here: the chunk was handed to the socket
+            elif ev[0] == "finish":
+                _, i, reason, tidx, ids = ev
+                c = P.chunk(kind, job.id, model_name, created, i, None, reason, tidx, [], first[i])
+                first[i] = False
+                yield f"data: {json.dumps(c)}\n\n"
+            elif ev[0] == "error":
+                done = True
+                yield f"data: {json.dumps(ev[1].body())}\n\n"
+            elif ev[0] == "done":
+                done = True
+                if include_usage and ev[1] is not None:
+                    u = {"id": job.id, "object": "chat.completion.chunk" if kind == "chat" else "text_completion",
+                         "created": created, "model": model_name, "choices": [], "usage": P.usage(*ev[1])}
+                    yield f"data: {json.dumps(u)}\n\n"
+                yield "data: [DONE]\n\n"
+    finally:
+        if not done:                                   # a bare disconnect keeps what was sent
+            try:
+                engine.cancel(job.id, "tokens", None)
+            except P.APIError:
+                pass

@@ -1,0 +1,255 @@
+"""The engine: one worker thread owns the model and steps every active request in turn.
+
+The event loop never touches a runtime. It submits a Job (bounded queue: a full one is a
+429) and reads events from the job's asyncio queue; the worker admits jobs into free
+sessions (forks over shared weights, made at start), runs one step per active job per round
+(the first step sets the context: restore or roll back, prefill the rest; then one token per
+choice), and posts text deltas back with call_soon_threadsafe. A cancel is a flag the worker
+reads before its next step: it rolls the session back to prompt + delivered tokens.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import secrets
+import threading
+import traceback
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+
+
+from .protocol import APIError
+from .text import TextStream
+from .tiers import Tiers
+from .turns import Turns
+
+_RECENT = 512            # finished jobs kept so a late cancel still finds its conversation
+
+
+@dataclass
+class Choice:
+    index: int
+    stream: TextStream
+    seed: int
+    rt: object = None
+    ids: list = field(default_factory=list)
+    finish: str | None = None
+    logits: object = None         # greedy: logits of the last committed token
+    pending: bool = False         # greedy: ids[-1] is sent but not yet run through the model
+
+
+@dataclass
+class Job:
+    id: str
+    prompt: list
+    n: int
+    max_tokens: int
+    temperature: float
+    top_p: float
+    seed: int | None
+    stops: list
+    post: object                  # callable(event): thread-safe hand-off to the event loop
+    pin: int = 0                  # leading prompt tokens whose capsule is pinned
+    ignore_eos: bool = False
+    session: object = None        # sessions.Session the turn belongs to
+    choices: list = field(default_factory=list)
+    cached: int = 0
+    phase: str = "queued"         # queued -> running -> done
+    cancel: tuple | None = None   # (kind, values or None)
+    delivered: list = field(default_factory=list)   # per choice, tokens the client received
+    kept: list | None = None                        # per choice, after a cancel
+    finished: threading.Event = field(default_factory=threading.Event)
+
+
+class Engine:
+    def __init__(self, rt, budget_bytes: int, disk_dir=None, max_sessions: int = 4,
+                 max_queue: int | None = None, threads: int | None = None):
+        self.rt, self.threads = rt, threads
+        self.reuse = budget_bytes > 0      # 0: every prompt prefilled in full (a baseline)
+        self.tokenizer = rt.tokenizer
+        self.vocab = rt.model.net.vocab_size
+        self.tiers = Tiers(budget_bytes, disk_dir)
+        self.turns = Turns(self.tiers, rt.model.eos_ids, rt.fingerprint, self.reuse)
+        self.slots = [rt] + [rt.fork() for _ in range(max_sessions - 1)]
+        self.free = list(self.slots)
+        self.max_queue = max_queue if max_queue is not None else 4 * max_sessions
+        self._waiting: deque = deque()
+        self._active: list = []
+        self._jobs: OrderedDict = OrderedDict()       # id -> Job, active and recent
+        self._calls: deque = deque()                  # (fn(rt), Future) run on a free session
+        self._cv = threading.Condition()
+        self._stop = False
+        self.error: str | None = None
+        self._thread = threading.Thread(target=self._loop, name="flashrt-engine", daemon=True)
+        self._thread.start()
+
+    # ---- called from the event loop ------------------------------------------------------
+    def submit(self, job: Job) -> None:
+        if job.n > len(self.slots):
+            raise APIError(400, f"n={job.n} exceeds the server's sessions ({len(self.slots)})", param="n")
+        with self._cv:
+            if self._stop or self.error:
+                raise APIError(503, f"engine unavailable: {self.error or 'shutting down'}",
+                               type="server_error", headers={"Retry-After": "5"})
+            if len(self._waiting) >= self.max_queue:
+                raise APIError(429, f"queue full ({self.max_queue} waiting requests): retry later",
+                               type="rate_limit_error", code="queue_full", headers={"Retry-After": "1"})
+            job.delivered = [0] * job.n
+            self._waiting.append(job)
+            self._jobs[job.id] = job
+            self._cv.notify()
+
+    def job(self, rid: str) -> Job:
+        with self._cv:
+            job = self._jobs.get(rid)
+        if job is None:
+            raise APIError(404, f"no response with id {rid!r} (unknown, or too old)",
+                           code="response_not_found", param="response_id")
+        return job
+
+    def cancel(self, rid: str, kind: str = "tokens", values=None) -> dict:
+        """Stop a response and keep only what was delivered. Works after it finished, too."""
+        job = self.job(rid)
+        with self._cv:
+            if job.phase == "queued":
+                self._waiting.remove(job)
+                job.phase = "done"
+                job.kept = [0] * job.n
+                job.finished.set()
+                if job.session is not None:
+                    job.session.end_turn(None)
+                job.post(("done", None))
+                return {"id": rid, "cancelled": True, "kept_tokens": [0] * job.n}
+            job.cancel = (kind, values)
+            if job.phase == "running":              # the worker applies it before the job ends
+                return {"id": rid, "cancelled": True, "kept_tokens": None}
+        fut = self.call(lambda rt: self.turns.truncate(job, rt))
+        return {"id": rid, "cancelled": True, "kept_tokens": fut}
+
+    def running(self) -> list:
+        with self._cv:
+            return list(self._waiting) + list(self._active)
+
+    def call(self, fn) -> concurrent.futures.Future:
+        """Run fn(session) on the worker when a session is free; returns a Future."""
+        fut = concurrent.futures.Future()
+        with self._cv:
+            if self._stop or self.error:
+                raise APIError(503, "engine unavailable", type="server_error", headers={"Retry-After": "5"})
+            self._calls.append((fn, fut))
+            self._cv.notify()
+        return fut
+
+    def close(self) -> None:
+        with self._cv:
+            self._stop = True
+            self._cv.notify()
+        self._thread.join(timeout=30)
+        self.tiers.close()
+
+    # ---- worker --------------------------------------------------------------------------
+    def _loop(self) -> None:
+        if self.threads:             # torch's OpenMP thread count is per calling thread
+            import torch
+            torch.set_num_threads(self.threads)
+        try:
+            while True:
+                with self._cv:
+                    while not (self._stop or self._active or self._calls and self.free
+                               or self._waiting and len(self.free) >= self._waiting[0].n):
+                        self._cv.wait()
+                    if self._stop:
+                        return
+                    calls = []
+                    while self._calls and self.free:
+                        calls.append(self._calls.popleft())
+                    admitted = self._admit()
+                for fn, fut in calls:
+                    self._run_call(fn, fut)
+                for job in admitted:
+                    self._guard(job, self.turns.prefill)
+                for job in list(self._active):
+                    if job.phase == "running":
+                        self._guard(job, self._step)
+        except BaseException:                           # noqa: BLE001 (report, then 503)
+            self.error = "engine worker died: " + traceback.format_exc(limit=3)
+            raise
+
+    def _run_call(self, fn, fut) -> None:
+        rt = self.free.pop()
+        try:
+            fut.set_result(fn(rt))
+        except BaseException as e:                      # noqa: BLE001 (handed to the caller)
+            fut.set_exception(e)
+        finally:
+            self.free.append(rt)
+
+    def _admit(self) -> list:
+        out = []
+        while self._waiting and len(self.free) >= self._waiting[0].n:
+            job = self._waiting.popleft()
+            rts = self._pick(job.prompt, job.n)
+            for c, rt in zip(job.choices, rts):
+                c.rt = rt
+            job.phase = "running"
+            self._active.append(job)
+            out.append(job)
+        return out
+
+    def _pick(self, prompt: list, n: int) -> list:
+        """Free sessions, the one whose own history shares the longest prefix first."""
+        def shared(rt):
+            t = rt.tokens
+            k = 0
+            for a, b in zip(t, prompt):
+                if a != b:
+                    break
+                k += 1
+            return k
+        best = sorted(self.free, key=shared, reverse=True)[:n]
+        for rt in best:
+            self.free.remove(rt)
+        return best
+
+    def _guard(self, job: Job, fn) -> None:
+        try:
+            fn(job)
+        except Exception as e:                          # noqa: BLE001 (one request fails, not all)
+            status = 400 if isinstance(e, ValueError) else 500
+            job.post(("error", APIError(status, f"{type(e).__name__}: {e}",
+                                        type="invalid_request_error" if status == 400 else "server_error")))
+            if job.session is not None:
+                job.session.end_turn(None)
+            self._release(job, remember=False)
+
+    def _step(self, job: Job) -> None:
+        if self.turns.step(job):
+            self._finish(job)
+
+    def _finish(self, job: Job) -> None:
+        with self._cv:               # from here a cancel() finds the job ending and truncates after
+            job.phase = "ending"
+            cancel = job.cancel
+        completion = self.turns.end(job, cancel)
+        self._release(job, remember=True)
+        job.post(("done", (len(job.prompt), completion, job.cached)))
+
+    def _release(self, job: Job, remember: bool) -> None:
+        with self._cv:
+            if job in self._active:
+                self._active.remove(job)
+            job.phase = "done"
+        for c in job.choices:
+            if c.rt is None:
+                continue
+            if remember and self.reuse:
+                self.tiers.remember_turn(c.rt)
+            with self._cv:
+                self.free.append(c.rt)
+            c.rt = None
+        job.finished.set()
+        with self._cv:
+            while len(self._jobs) > _RECENT and next(iter(self._jobs.values())).phase == "done":
+                self._jobs.popitem(last=False)
+
+def new_seed() -> int:
+    return secrets.randbits(62)

@@ -1,0 +1,240 @@
+"""Wire protocol: request models (validated), response builders, OpenAI-shaped errors.
+
+Requests are parsed here and nowhere else: a bad field becomes an APIError naming it, so the
+routes stay thin and the engine only ever sees checked values.
+"""
+from __future__ import annotations
+
+import json
+import secrets
+import time
+from typing import Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+# fields the OpenAI API defines that this server does not implement: refused by name unless
+# they carry their no-op default (clients often send e.g. presence_penalty=0)
+UNSUPPORTED = {"logprobs": (None, False), "top_logprobs": (None, 0), "tools": (None, []),
+               "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
+               "response_format": (None, {"type": "text"}), "logit_bias": (None, {}),
+               "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
+               "best_of": (None, 1), "echo": (None, False), "suffix": (None, ""),
+               "parallel_tool_calls": (None,), "audio": (None,), "modalities": (None, ["text"]),
+               "prediction": (None,), "reasoning_effort": (None,), "web_search_options": (None,)}
+# accepted and ignored: bookkeeping fields with no effect on generation
+IGNORED = {"user", "metadata", "store", "service_tier"}
+MAX_STOP = 4
+
+
+class APIError(Exception):
+    """An error answered in OpenAI's shape: {"error": {message, type, param, code}}."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None, headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type = status, message, type
+        self.param, self.code, self.headers = param, code, headers or {}
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = False
+
+
+class _Common(BaseModel):
+    """Sampling fields shared by chat, completions and session turns."""
+    model_config = ConfigDict(extra="allow")
+    model: str = ""
+    max_tokens: int | None = None
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    seed: int | None = None
+    n: int = Field(1, ge=1, le=16)
+    stop: Union[str, list[str], None] = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False          # extension (as vLLM): generate max_tokens whatever comes
+    # flashrt extension: keep the capsule of this many leading prompt tokens (or, for chat,
+    # "system": of the leading system messages) pinned in the store, never evicted
+    pin_prefix: Union[int, Literal["system"], None] = None
+
+    @field_validator("max_tokens")
+    @classmethod
+    def _max_tokens(cls, v):
+        if v is not None and v < 1:
+            raise ValueError(f"must be >= 1, got {v}")
+        return v
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, v):
+        stops = [v] if isinstance(v, str) else list(v or [])
+        if len(stops) > MAX_STOP or any(not s for s in stops):
+            raise ValueError(f"up to {MAX_STOP} non-empty strings, got {stops!r}")
+        return stops
+
+    def stops(self) -> list[str]:
+        return list(self.stop or [])
+
+    def limit(self) -> int | None:
+        return self.max_tokens
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Union[str, list[dict], None] = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            bad = [p.get("type") for p in self.content if p.get("type") != "text"]
+            if bad:
+                raise ValueError(f"content parts of type {bad} are not supported (text only)")
+            return "".join(str(p.get("text", "")) for p in self.content)
+        return self.content or ""
+
+
+class ChatRequest(_Common):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+
+    def limit(self) -> int | None:
+        v = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        if v is not None and v < 1:
+            raise APIError(400, f"max_completion_tokens must be >= 1, got {v}", param="max_completion_tokens")
+        return v
+
+
+class CompletionRequest(_Common):
+    prompt: Union[str, list[int], list[str], list[list[int]]]
+
+    def prompt_one(self) -> Union[str, list[int]]:
+        p = self.prompt
+        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
+            if len(p) != 1:
+                raise APIError(400, f"batched prompts ({len(p)}) are not supported: send one "
+                               "prompt per request (use n for several completions)", param="prompt")
+            p = p[0]
+        if isinstance(p, list) and not p or p == "":
+            raise APIError(400, "prompt is empty: need at least one token", param="prompt")
+        return p
+
+
+class SessionCreate(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model: str = ""
+    prompt: Union[str, list[int], None] = None
+
+
+class RollbackRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    position: int = Field(ge=0)
+
+
+class RestoreRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    snapshot_id: str
+
+
+class NameRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(pattern=r"^[A-Za-z0-9_-][A-Za-z0-9._-]{0,99}$")
+
+
+class CancelRequest(BaseModel):
+    """What the client actually delivered (spoke): tokens, or characters of the streamed text."""
+    model_config = ConfigDict(extra="forbid")
+    delivered_tokens: int | list[int] | None = None
+    delivered_chars: int | list[int] | None = None
+
+    def per_choice(self, n: int) -> tuple[str, list[int] | None]:
+        if self.delivered_tokens is not None and self.delivered_chars is not None:
+            raise APIError(400, "give delivered_tokens or delivered_chars, not both")
+        kind = "chars" if self.delivered_chars is not None else "tokens"
+        v = self.delivered_chars if kind == "chars" else self.delivered_tokens
+        if v is None:
+            return kind, None
+        vals = [v] * n if isinstance(v, int) else list(v)
+        if len(vals) != n or any(x < 0 for x in vals):
+            raise APIError(400, f"delivered_{kind} must be a non-negative int or one per choice "
+                           f"({n}), got {v!r}", param=f"delivered_{kind}")
+        return kind, vals
+
+
+def parse(model_cls, body: bytes):
+    """Bytes -> validated request, or an APIError naming what is wrong."""
+    try:
+        data = json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise APIError(400, f"invalid JSON body: {e}", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise APIError(400, f"the body must be a JSON object, got {type(data).__name__}")
+    try:
+        req = model_cls.model_validate(data)
+    except ValidationError as e:
+        first = e.errors()[0]
+        loc = ".".join(str(x) for x in first["loc"])
+        raise APIError(400, f"invalid {loc or 'body'}: {first['msg']}"
+                       + (f" (got {first['input']!r})" if "input" in first and loc else ""),
+                       param=loc or None) from None
+    extra = set(getattr(req, "model_extra", None) or {})
+    bad = sorted(k for k in extra if k not in IGNORED
+                 and not (k in UNSUPPORTED and data[k] in UNSUPPORTED[k]))
+    if bad:
+        known = [k for k in bad if k in UNSUPPORTED]
+        raise APIError(400, f"unsupported parameter(s): {', '.join(bad)}"
+                       + (" (not implemented by flashrt serve)" if known else " (unknown)"),
+                       param=bad[0], code="unsupported_parameter")
+    return req
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{secrets.token_urlsafe(18)}"
+
+
+def usage(prompt: int, completion: int, cached: int) -> dict:
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def response(kind: str, rid: str, model: str, choices: list, use: dict, created: int) -> dict:
+    obj = "chat.completion" if kind == "chat" else "text_completion"
+    return {"id": rid, "object": obj, "created": created, "model": model, "choices": choices,
+            "usage": use, "system_fingerprint": "flashrt"}
+
+
+def choice(kind: str, index: int, text: str, finish: str, token_ids: list) -> dict:
+    c = {"index": index, "finish_reason": finish, "logprobs": None, "token_ids": token_ids}
+    if kind == "chat":
+        c["message"] = {"role": "assistant", "content": text}
+    else:
+        c["text"] = text
+    return c
+
+
+def chunk(kind: str, rid: str, model: str, created: int, index: int, text: str | None,
+          finish: str | None, token_index: int | None, token_ids: list, first: bool) -> dict:
+    """One SSE chunk, one per generated token (extensions: token_ids, the ids generated since
+    the previous chunk; token_index, the index of the last token whose text is wholly inside
+    the text streamed so far: text lags the ids by a partial UTF-8 character or a held-back
+    stop-string prefix). Barge-in: delivered_tokens = ids received, or delivered_chars."""
+    if kind == "chat":
+        delta = {"role": "assistant", "content": text or ""} if first else (
+            {"content": text} if text is not None else {})
+        c = {"index": index, "delta": delta, "finish_reason": finish, "logprobs": None}
+        obj = "chat.completion.chunk"
+    else:
+        c = {"index": index, "text": text or "", "finish_reason": finish, "logprobs": None}
+        obj = "text_completion"
+    c["token_index"], c["token_ids"] = token_index, token_ids
+    return {"id": rid, "object": obj, "created": created, "model": model, "choices": [c],
+            "system_fingerprint": "flashrt"}
+
+
+def now() -> int:
+    return int(time.time())
