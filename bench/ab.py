@@ -27,12 +27,16 @@ def cells(payload: dict) -> dict:
     """{(table, row label, column): value} for every ms or ratio cell (lower is better)."""
     out = {}
     for t in payload.get("tables", []):
+        title = t["title"].split("(")[0].strip()        # drop run details (temp paths, sizes)
         for row in t["rows"]:
             label = " / ".join(str(c) for c in row[:2])
+            prev = ""
             for h, c in zip(t["headers"], row):
                 m = _NUM.match(str(c))
+                name = f"{h} ({prev})" if "ratio" in h else h     # a ratio names what it divides
                 if m and ("ms" in h or "ratio" in h or m.group(2) == "x"):
-                    out[(t["title"], label, h)] = float(m.group(1))
+                    out[(title, label, name)] = float(m.group(1))
+                prev = h if "ratio" not in h else prev
     return out
 
 
