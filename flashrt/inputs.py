@@ -43,21 +43,34 @@ def token_ids(ids, vocab: int, device) -> torch.Tensor:
     return torch.tensor(vals, dtype=torch.int64, device=device)
 
 
-def embeds_ids(embeds, hidden: int):
-    """(content ids (T,) int64 on CPU, (base, host copy of embeds)) for an embedding segment."""
+def embeds_ids(embeds, hidden: int, position_ids=None, specs=()):
+    """(content ids (T,) int64 on CPU, (base, host embeds, host position ids or None)) for an
+    embedding segment; the digest covers the embeddings and their rope positions."""
     if not isinstance(embeds, torch.Tensor) or not embeds.is_floating_point():
         raise TypeError(f"embeds must be a floating-point tensor (T, {hidden}), got "
                         f"{type(embeds).__name__}")
     if embeds.dim() != 2 or embeds.shape[1] != hidden or embeds.shape[0] == 0:
         raise ValueError(f"embeds must have shape (T >= 1, {hidden}), got {tuple(embeds.shape)}")
     host = embeds.detach().to("cpu", torch.float32).contiguous()
-    digest = hashlib.sha256(host.numpy().tobytes()).digest()
-    base = int.from_bytes(digest[:8], "little") >> (64 - _BASE_BITS)
+    digest = hashlib.sha256(host.numpy().tobytes())
+    pid = None
+    if position_ids is not None:
+        if not any(s.name == "position_ids" for s in specs):
+            raise ValueError("position_ids=: this model takes no position ids (its inputs: "
+                             f"{[s.name for s in specs]})")
+        want = next(s.shape for s in specs if s.name == "position_ids")
+        if not isinstance(position_ids, torch.Tensor) or position_ids.is_floating_point() or \
+                tuple(position_ids.shape) != (host.shape[0], *want):
+            raise ValueError(f"position_ids must be an integer tensor of shape "
+                             f"{(host.shape[0], *want)}, got {getattr(position_ids, 'shape', position_ids)}")
+        pid = position_ids.detach().to("cpu", torch.int64).contiguous()
+        digest.update(pid.numpy().tobytes())
+    base = int.from_bytes(digest.digest()[:8], "little") >> (64 - _BASE_BITS)
     ids = -(1 + base + torch.arange(host.shape[0], dtype=torch.int64))
-    return ids, (base, host)
+    return ids, (base, host, pid)
 
 
-def context_ids(context, vocab: int, max_len: int, who: str = "set_context"):
+def context_ids(context, vocab: int, max_len: int, who: str = "set_context", specs=()):
     """(history ids, [(base, embeds)]) for a context of token ids and embedding tensors."""
     if isinstance(context, torch.Tensor) and not context.is_floating_point():
         context = context.reshape(-1).tolist()
@@ -66,7 +79,8 @@ def context_ids(context, vocab: int, max_len: int, who: str = "set_context"):
                         f"tensors), got {type(context).__name__}; tokenize text first")
     out, segs, run = [], [], []
     for item in list(context) + [None]:
-        if isinstance(item, torch.Tensor) and item.is_floating_point() or item is None:
+        seg = item if isinstance(item, tuple) else (item, None)     # (embeds, position_ids)
+        if isinstance(seg[0], torch.Tensor) and seg[0].is_floating_point() or item is None:
             if run:
                 try:
                     out += token_ids(run, vocab, "cpu").tolist()
@@ -74,9 +88,10 @@ def context_ids(context, vocab: int, max_len: int, who: str = "set_context"):
                     raise type(e)(f"{who}: {e}") from None
                 run = []
             if item is not None:
-                ids, seg = embeds_ids(item, item.shape[-1] if item.dim() == 2 else -1)
+                e = seg[0]
+                ids, s = embeds_ids(e, e.shape[-1] if e.dim() == 2 else -1, seg[1], specs)
                 out += ids.tolist()
-                segs.append(seg)
+                segs.append(s)
         else:
             run.append(item)
     if not out or len(out) > max_len:
@@ -91,15 +106,16 @@ class EmbeddingSegments:
     def __init__(self):
         self._segs: dict = {}
 
-    def add(self, base: int, embeds: torch.Tensor) -> None:
-        self._segs.setdefault(base, embeds)
+    def add(self, base: int, embeds: torch.Tensor, position_ids: torch.Tensor | None = None) -> None:
+        self._segs.setdefault(base, (embeds, position_ids))
 
-    def rows(self, ids: list[int]) -> torch.Tensor:
-        """The embeddings (len(ids), hidden) behind a run of consecutive content ids."""
+    def rows(self, ids: list[int]):
+        """(embeddings (n, hidden), position ids (n, 3) or None) behind n consecutive content ids."""
         first = -ids[0] - 1
-        for base, e in self._segs.items():
-            if 0 <= first - base and first - base + len(ids) <= e.shape[0]:
-                return e[first - base: first - base + len(ids)]
+        for base, (e, pid) in self._segs.items():
+            i = first - base
+            if 0 <= i and i + len(ids) <= e.shape[0]:
+                return e[i: i + len(ids)], (None if pid is None else pid[i: i + len(ids)])
         raise ValueError(f"positions with content ids {ids[0]}..{ids[-1]} came from embeddings "
                          "this session does not hold (a capsule restored from elsewhere): "
                          "restore a capsule at or after them, or prefill the embeddings again")

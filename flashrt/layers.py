@@ -114,6 +114,7 @@ class StepCtx:
     positions: torch.Tensor          # (T,) int64 absolute positions of the new tokens
     start: int | None = None         # committed position before the step (eager path)
     static: bool = False             # graph-safe path: no host ints, no data-dependent shapes
+    rope: torch.Tensor | None = None  # (T,) or (3, T) rotary positions where they differ (mrope)
 
     @property
     def end(self) -> int:
@@ -139,20 +140,33 @@ class RMSNorm(nn.Module):
 
 
 class Rotary(nn.Module):
-    """Rotary embedding over the first `rot_dim` dims of each head (partial rotary when < head_dim)."""
+    """Rotary embedding over the first `rot_dim` dims of each head (partial rotary when < head_dim).
+    sections (t, h, w): interleaved multimodal rope; frequency i follows axis 1 (h) when
+    i % 3 == 1 and i < 3 * h, axis 2 (w) when i % 3 == 2 and i < 3 * w, else axis 0 (t)."""
 
-    def __init__(self, rot_dim: int, theta: float):
+    def __init__(self, rot_dim: int, theta: float, sections: tuple | None = None):
         super().__init__()
-        self.rot_dim, self.theta = rot_dim, theta
+        self.rot_dim, self.theta, self.sections = rot_dim, theta, sections
         self.rebuild("cpu")
 
     def rebuild(self, device):
         # Same formula as transformers' default rope, so fp32 bits match.
         exps = torch.arange(0, self.rot_dim, 2, dtype=torch.int64, device=device).float() / self.rot_dim
         self.register_buffer("inv_freq", 1.0 / (self.theta ** exps), persistent=False)
+        i = torch.arange(self.rot_dim // 2, device=device)
+        axis = torch.zeros_like(i)
+        if self.sections is not None:
+            _, h, w = self.sections
+            axis = torch.where((i % 3 == 1) & (i < 3 * h), 1, torch.where((i % 3 == 2) & (i < 3 * w), 2, 0))
+        self.register_buffer("axis", axis, persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype):
-        freqs = positions[:, None].float() * self.inv_freq[None, :]   # (T, rot/2)
+        """positions (T,), or (3, T) per axis (t, h, w)."""
+        if positions.dim() == 2:                                       # (3, T) -> (T, rot/2)
+            pos = positions.gather(0, self.axis[:, None].expand(-1, positions.shape[1])).t()
+            freqs = pos.float() * self.inv_freq[None, :]
+        else:
+            freqs = positions[:, None].float() * self.inv_freq[None, :]   # (T, rot/2)
         emb = torch.cat((freqs, freqs), dim=-1)                        # (T, rot)
         return emb.cos().to(dtype), emb.sin().to(dtype)
 

@@ -89,11 +89,14 @@ class LanguageModel:
         self.arena["meta.tokens"].index_copy_(0, positions, ids)
 
     def forward(self, ids: torch.Tensor | None = None, embeds: torch.Tensor | None = None,
-                hist: torch.Tensor | None = None, all_positions: bool = False, commit: bool = True):
+                hist: torch.Tensor | None = None, all_positions: bool = False, commit: bool = True,
+                position_ids: torch.Tensor | None = None):
         """One eager step at the session's position; returns the model's outputs dict.
         hist: history ids to record (embeds: their content ids). commit=False: a verify step
         whose positions the caller commits (commit_tokens) or rewinds."""
         inputs = {"ids": ids} if embeds is None else {"embeds": embeds.to(self.model.dtype)}
+        if position_ids is not None:
+            inputs["position_ids"] = position_ids
         rec = ids if hist is None else hist
 
         def body(ctx):
@@ -121,7 +124,7 @@ class LanguageModel:
         for n in self.session.chunks(hist.shape[0]):
             part = hist[i: i + n]
             if bool((part < 0).any()):
-                out = self._step_mixed(part, all_logits)
+                out = _step_mixed(self, part, all_logits)
             else:
                 out = self._step_ids(part, all_logits)
             if all_logits:
@@ -129,32 +132,21 @@ class LanguageModel:
             i += n
         return torch.cat(outs).float() if all_logits else None
 
-    def _step_mixed(self, part: torch.Tensor, all_logits: bool):
-        """A chunk holding embedding positions: runs of ids and of embeddings, in order."""
-        outs, i, vals = [], 0, part.tolist()
-        while i < len(vals):
-            j = i
-            while j < len(vals) and (vals[j] < 0) == (vals[i] < 0):
-                j += 1
-            run = part[i:j]
-            if vals[i] >= 0:
-                outs.append(self.forward(run, all_positions=all_logits)["logits"])
-            else:
-                outs.append(self.forward(embeds=self.embeds.rows(vals[i:j]).to(self.model.device), hist=run,
-                                         all_positions=all_logits)["logits"])
-            i = j
-        return torch.cat(outs) if all_logits else None
-
     # ---- public stepping ----------------------------------------------------------------
     @torch.no_grad()
-    def prefill(self, ids=None, all_logits: bool = False, embeds: torch.Tensor | None = None):
-        """Append token ids, or embeddings (T, hidden) such as image or audio features;
-        returns float32 logits of the last position (or of all, shape (T, V))."""
+    def prefill(self, ids=None, all_logits: bool = False, embeds: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None):
+        """Append token ids, or embeddings (T, hidden) such as image or audio features, with
+        their (T, 3) multimodal rope positions where the model has them (Qwen3.5); returns
+        float32 logits of the last position (or of all, shape (T, V))."""
         with self._lock:
             if (ids is None) == (embeds is None):
                 raise TypeError("prefill takes token ids or embeds=, exactly one of them")
+            if position_ids is not None and embeds is None:
+                raise TypeError("position_ids= goes with embeds= (a multimodal segment)")
             if embeds is not None:
-                hist, seg = embeds_ids(embeds, self.net.config.hidden_size)
+                hist, seg = embeds_ids(embeds, self.net.config.hidden_size, position_ids,
+                                       self.net.input_specs(self.model.dtype))
                 self.embeds.add(*seg)
                 t = hist.to(self.model.device)
             else:
@@ -319,3 +311,21 @@ def graph_body_step(lm: LanguageModel, ids: torch.Tensor) -> None:
     lm.arena["io.ids"][: ids.shape[0]].copy_(ids)
     lm.static_step(ids.shape[0])
     lm.session.commit(ids.shape[0])
+
+
+def _step_mixed(lm: LanguageModel, part: torch.Tensor, all_logits: bool):
+    """A chunk holding embedding positions: runs of ids and of embeddings, in order."""
+    outs, i, vals = [], 0, part.tolist()
+    while i < len(vals):
+        j = i
+        while j < len(vals) and (vals[j] < 0) == (vals[i] < 0):
+            j += 1
+        run = part[i:j]
+        if vals[i] >= 0:
+            outs.append(lm.forward(run, all_positions=all_logits)["logits"])
+        else:
+            e, pid = lm.embeds.rows(vals[i:j])
+            outs.append(lm.forward(embeds=e.to(lm.model.device), hist=run, position_ids=pid,
+                                     all_positions=all_logits)["logits"])
+        i = j
+    return torch.cat(outs) if all_logits else None

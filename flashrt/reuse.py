@@ -17,7 +17,8 @@ from flashrt.inputs import context_ids
 
 def set_context(lm, context, store=None, remember: bool = True) -> int:
     """Make lm's whole context exactly `context`; returns the positions not re-run."""
-    toks, segs = context_ids(context, lm.net.vocab_size, lm.max_seq_len)
+    toks, segs = context_ids(context, lm.net.vocab_size, lm.max_seq_len,
+                             specs=lm.net.input_specs(lm.model.dtype))
     for seg in segs:
         lm.embeds.add(*seg)
     n = min(lm.position, len(toks))

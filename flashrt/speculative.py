@@ -50,8 +50,8 @@ class EagerSteps:
         net, a = self.net, self.rt.arena
 
         def body(ctx):
-            h = net.hidden(net.embed(ids), ctx, a, all_positions=True)
-            return h, net.head(h if all_logits else h[-1:]).float()
+            out = net({"ids": ids}, ctx, a, all_positions=True)
+            return out["hidden"], out["logits"].float() if all_logits else out["logits"][-1:].float()
         return self.rt.session.step(ids.shape[0], body, commit=False)
 
     def draft(self, tokens: torch.Tensor, hidden: torch.Tensor, row0: int):
@@ -90,9 +90,9 @@ class SpecSteps(EagerSteps):
         return self.rt.session.preserving_state(at_scratch, self.max_T)
 
     def _main_body(self, T):
-        a, net = self.rt.arena, self.net
-        h = net.hidden(net.embed(self.ids[:T]), self.rt.session.static_ctx(T), a, all_positions=True)
-        return h, net.head(h).float()
+        out = self.net({"ids": self.ids[:T]}, self.rt.session.static_ctx(T), self.rt.arena,
+                       all_positions=True)
+        return out["hidden"], out["logits"].float()
 
     def _draft_body(self, T):
         pos = self.m_pos + torch.arange(T, device=self.m_pos.device)

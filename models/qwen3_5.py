@@ -15,7 +15,7 @@ position and its MTP KV row); it predicts the token at p+2.
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +27,7 @@ from flashrt.layers import (Linear, RMSNorm, Rotary, StepCtx, SwiGLU, apply_rota
 from flashrt.linear_attn import (causal_conv, chunk_gated_delta_rule, fast_kernels,
                                  recurrent_gated_delta_rule)
 from flashrt.modeling import CausalLM, check, require
+from flashrt.protocol import InputSpec
 
 LAYER_TYPES = ("linear_attention", "full_attention")
 
@@ -53,6 +54,7 @@ class Qwen3_5Config:
     rope_theta: float
     tie_word_embeddings: bool
     mtp_num_hidden_layers: int
+    mrope_section: tuple | None = None     # (t, h, w) frequencies of the multimodal rope
 
     @classmethod
     def from_hf(cls, cfg: dict) -> "Qwen3_5Config":
@@ -87,6 +89,9 @@ class Qwen3_5Config:
         rot = int(head_dim * prf)
         check(0 < rot <= head_dim and rot % 2 == 0, t, "partial_rotary_factor",
               f"{prf} gives rotary dim {rot} for head_dim {head_dim}")
+        sec = rope.get("mrope_section")
+        check(sec is None or (len(sec) == 3 and sum(sec) == rot // 2), t, "mrope_section",
+              f"{sec}: three parts summing to rotary_dim/2 = {rot // 2}")
         mtp = text.get("mtp_num_hidden_layers", 1)   # 1: enabled iff the checkpoint has mtp.*
         check(mtp in (0, 1), t, "mtp_num_hidden_layers", f"{mtp} (0 or 1 supported)")
         check(not text.get("mtp_use_dedicated_embeddings", False), t, "mtp_use_dedicated_embeddings",
@@ -101,7 +106,8 @@ class Qwen3_5Config:
             linear_value_head_dim=text.get("linear_value_head_dim", 128),
             linear_conv_kernel_dim=kernel, rms_norm_eps=text.get("rms_norm_eps", 1e-6),
             rope_theta=rope.get("rope_theta", text.get("rope_theta", 10000.0)),
-            tie_word_embeddings=tie, mtp_num_hidden_layers=mtp)
+            tie_word_embeddings=tie, mtp_num_hidden_layers=mtp,
+            mrope_section=tuple(sec) if sec is not None else None)
 
 
 # ---- layers -------------------------------------------------------------------------------
@@ -225,7 +231,7 @@ class Model(CausalLM):
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
         self.layers = nn.ModuleList(Block(c, kind, i) for i, kind in enumerate(c.layer_types))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, zero_centred=True)
-        self.rotary = Rotary(c.rot_dim, c.rope_theta)
+        self.rotary = Rotary(c.rot_dim, c.rope_theta, c.mrope_section)
         if not c.tie_word_embeddings:
             self.lm_head = Linear(c.hidden_size, c.vocab_size, bias=False)
         self.has_mtp = c.mtp_num_hidden_layers > 0
@@ -243,15 +249,32 @@ class Model(CausalLM):
             else:
                 specs += [BufferSpec(f"layers.{i}.attn.{n}", "kv", kv_shape, dtype, seq_dim=0)
                           for n in ("k", "v")]
+        # rotary position minus sequence position after a multimodal segment (0 for text)
+        specs.append(BufferSpec("rope.delta", "meta", (1,), torch.int64))
         if self.has_mtp:
             # the draft head's KV, and the last main hidden state it drafts from
             specs += [BufferSpec(f"mtp.attn.{n}", "kv", kv_shape, dtype, seq_dim=0) for n in ("k", "v")]
             specs.append(BufferSpec("mtp.hidden", "recurrent", (c.hidden_size,), dtype))
         return specs
 
+    def input_specs(self, dtype):
+        return super().input_specs(dtype) + [InputSpec(
+            "position_ids", (3,), torch.int64, "multimodal rope positions (t, h, w) of a segment")]
+
+    def forward(self, inputs, ctx, state, all_positions=False):
+        """position_ids (T, 3): a multimodal segment's rope positions; the positions after it
+        continue from its largest (rope.delta = rope minus sequence position)."""
+        pid, delta = inputs.get("position_ids"), state["rope.delta"]
+        if pid is None:
+            rope = ctx.positions + delta
+        else:
+            rope = pid.t()                                          # (3, T)
+            delta.copy_(rope.max().reshape(1) - ctx.positions[-1:])
+        return super().forward(inputs, replace(ctx, rope=rope), state, all_positions)
+
     def hidden(self, x, ctx, state, all_positions=False):
         """(T, hidden) embeddings -> (T or 1, hidden) after the final norm. Stores mtp.hidden."""
-        cos, sin = self.rotary(ctx.positions, x.dtype)
+        cos, sin = self.rotary(ctx.rope if ctx.rope is not None else ctx.positions, x.dtype)
         for layer in self.layers:
             x = layer(x, ctx, state, cos, sin)
         x = self.norm(x if all_positions else x[-1:])
@@ -270,7 +293,7 @@ class Model(CausalLM):
         m = self.mtp
         e = m.pre_fc_norm_embedding(self.embed_tokens(ids))
         x = m.fc(torch.cat([e, m.pre_fc_norm_hidden(hidden.to(e.dtype))], dim=-1))
-        cos, sin = self.rotary(ctx.positions, x.dtype)
+        cos, sin = self.rotary(ctx.positions + state["rope.delta"], x.dtype)
         h = m.norm(m.layers[0](x, ctx, state, cos, sin))
         return self.head(h), h
 

@@ -87,3 +87,34 @@ def test_bad_inputs_are_refused_with_the_state_untouched(runtime):
     with pytest.raises(TypeError, match="list of token ids"):
         rt.set_context("hello")
     assert torch.equal(state_bytes(rt), before) and rt.position == 3
+
+
+def test_multimodal_rope_positions_match_transformers(runtime, ckpt):
+    """Qwen3.5's interleaved 3-D rope: an image segment with (t, h, w) positions, then text
+    that continues from the largest of them, equals transformers given the same positions;
+    the offset lives in the arena (rope.delta), so a capsule taken after the image continues
+    bitwise like the run that never left."""
+    from conftest import hf_reference
+    rt = runtime(ARCH)
+    net, H = rt.net, rt.net.config.hidden_size
+    a, b = list(range(3, 7)), list(range(40, 45))
+    img = _features(6, H, 4)
+    t_h_w = torch.tensor([[4, 4 + r, 4 + c] for r in range(2) for c in range(3)])   # a 2x3 grid
+    ours = [rt.prefill(a, all_logits=True), rt.prefill(embeds=img, position_ids=t_h_w, all_logits=True)]
+    cap = rt.snapshot()
+    ours.append(rt.prefill(b, all_logits=True))
+    ours = torch.cat(ours)
+    text = lambda ps: [[p, p, p] for p in ps]                                      # noqa: E731
+    rope = torch.tensor(text(range(4)) + t_h_w.tolist() + text(range(7, 12)))      # (15, 3)
+    pos = torch.cat([torch.arange(15)[None], rope.t()])[:, None, :]               # (4, 1, 15)
+    hf = hf_reference(ckpt(ARCH))
+    with torch.no_grad():
+        emb = torch.cat([net.embed(torch.tensor(a)), img, net.embed(torch.tensor(b))])
+        want = hf(inputs_embeds=emb[None], position_ids=pos).logits[0].float()
+    assert (ours - want).abs().max() <= 1e-4
+    assert int(rt.arena["rope.delta"]) == 6 - 9
+    other = runtime(ARCH)
+    other.restore(cap)
+    assert torch.equal(other.prefill(b, all_logits=True), ours[-5:])
+    with pytest.raises(ValueError, match="position_ids must be"):
+        rt.prefill(embeds=img, position_ids=t_h_w[:, :2])
