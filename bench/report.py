@@ -27,11 +27,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import common as C  # noqa: E402
 
-NAMES = ("state_sizes", "models", "capsules", "ttft", "ablation")
+NAMES = ("state_sizes", "models", "capsules", "ttft", "ablation", "serve")
 # headline blocks of README.md: bench -> (row filter on the first cell, column indices kept)
 HEADLINE = {
     "ttft": ("Qwen3.5-0.8B", (1, 2, 3, 4, 5, 6)),     # prefix .. flashrt's same-16-tokens check
     "capsules": ("", (0, 2, 3, 4, 5, 6)),             # state, plain copy, snapshot(into), restore
+    "serve": ("", (0, 2, 3, 4, 6)),                   # turn, cached tokens, flashrt vs re-prefill
 }
 
 
