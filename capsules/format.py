@@ -26,6 +26,7 @@ import json
 import os
 import secrets
 import struct
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -130,24 +131,79 @@ def file_size(cap: Capsule) -> int:
     return len(_header(cap.entries, cap.meta, cap.tokens, _PLACEHOLDER)) + cap.nbytes
 
 
-def save(cap: Capsule, path) -> None:
-    """Write `cap` to `path` atomically: a crash leaves the old file or the new one, never a mix."""
-    path = os.path.abspath(os.fspath(path))
-    if cap.device.type != "cpu":
-        cap = cap.to("cpu")
-    for e in cap.entries:
-        if e.name == "__metadata__" or e.offset < 0 or e.offset + e.nbytes > cap.data.numel():
-            raise ValueError(f"save_capsule: entry {e.name!r} is reserved or outside the capsule data")
-    cached = cap.file_cache.get("header")
-    if cached is None or cached[0] is not cap.entries:
-        cached = cap.file_cache["header"] = (cap.entries, _entry_parts(cap.entries), _spans(cap.entries))
+def _file_views(cap: Capsule, cached) -> list:
+    """The file's bytes as [header, entry views...] (no copy of the entries)."""
     parts, (offsets, nbytes) = cached[1], cached[2]
     header = _header(cap.entries, cap.meta, cap.tokens, _PLACEHOLDER, parts)
     at = _value_at(header, _PLACEHOLDER)
     checksum = _checksum(header, at, hash_blocks(cap.data, offsets, nbytes, _BLOCK))
     header = header[:at] + checksum.encode() + header[at + 16:]
     mv = memoryview(cap.data.numpy())
-    views = [memoryview(header)] + [mv[o:o + n] for o, n in zip(offsets.tolist(), nbytes.tolist())]
+    return [memoryview(header)] + [mv[o:o + n] for o, n in zip(offsets.tolist(), nbytes.tolist())]
+
+
+def _prepared(cap: Capsule, who: str):
+    """(cap on the CPU, its cached (entries, header parts, spans)), entries checked."""
+    if cap.device.type != "cpu":
+        cap = cap.to("cpu")
+    for e in cap.entries:
+        if e.name == "__metadata__" or e.offset < 0 or e.offset + e.nbytes > cap.data.numel():
+            raise ValueError(f"{who}: entry {e.name!r} is reserved or outside the capsule data")
+    cached = cap.file_cache.get("header")
+    if cached is None or cached[0] is not cap.entries:
+        cached = cap.file_cache["header"] = (cap.entries, _entry_parts(cap.entries), _spans(cap.entries))
+    return cap, cached
+
+
+def to_bytes(cap: Capsule) -> bytes:
+    """The exact bytes save() would write for `cap` (for stores that hold values, not files)."""
+    return b"".join(_file_views(*_prepared(cap, "to_bytes")))
+
+
+def from_bytes(buf, name: str = "<bytes>") -> Capsule:
+    """The capsule in `buf` (bytes-like, the file format); every byte is checksummed before
+    it is used, and any damage raises CapsuleCorruptError naming `name` and the problem."""
+    try:
+        return _from_bytes(memoryview(buf).cast("B"), name)
+    except (struct.error, ValueError, KeyError, TypeError, IndexError, RecursionError) as e:
+        raise CapsuleCorruptError(f"{name}: malformed capsule header ({type(e).__name__}: {e})") from e
+
+
+def _from_bytes(mv: memoryview, name) -> Capsule:
+    size = len(mv)
+    if size < 8:
+        raise CapsuleCorruptError(f"{name}: truncated while reading the header length")
+    (n,) = struct.unpack_from("<Q", mv)
+    if n > min(_MAX_HEADER, size - 8):
+        raise CapsuleCorruptError(f"{name}: header length {n} exceeds the value ({size} B)")
+    header = bytes(mv[:8 + n])
+    table, meta, _, stored = _parse(name, header[8:], size - 8 - n)
+    at = _value_at(header, stored) if type(stored) is str and len(stored) == 16 else -1
+    if at < 0:
+        raise CapsuleCorruptError(f"{name}: the checksum value {stored!r} is not 16 hex digits")
+    if table.cap_size > size + _SLACK * (len(table.entries) + 1):
+        raise CapsuleCorruptError(f"{name}: entry offsets exceed the value's contents")
+    # the data region is the block stream itself: check it in place, before any byte is copied
+    with warnings.catch_warnings():      # read-only bytes: src is only ever read
+        warnings.simplefilter("ignore", UserWarning)
+        src = torch.frombuffer(mv, dtype=torch.uint8)
+    digests = hash_blocks(src, np.array([8 + n], np.int64), np.array([size - 8 - n], np.int64), _BLOCK)
+    if _checksum(header, at, digests) != stored:
+        raise CapsuleCorruptError(f"{name}: checksum mismatch (stored {stored})")
+    data = torch.empty(table.cap_size, dtype=torch.uint8)
+    zero_spans(data, table.gap_offsets, table.gap_nbytes)
+    pos = 8 + n
+    for o, k in zip(table.offsets.tolist(), table.nbytes.tolist()):
+        data[o:o + k].copy_(src[pos:pos + k])
+        pos += k
+    return _filled(None, data, table, meta)
+
+
+def save(cap: Capsule, path) -> None:
+    """Write `cap` to `path` atomically: a crash leaves the old file or the new one, never a mix."""
+    path = os.path.abspath(os.fspath(path))
+    cap, cached = _prepared(cap, "save_capsule")
+    views = _file_views(cap, cached)
     folder, name = os.path.split(path)
     tmp = os.path.join(folder, f".{name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
     try:
