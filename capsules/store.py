@@ -69,6 +69,12 @@ Single-use capsules
     restore's on_validated hook) before any byte is written, so a refused restore consumes
     nothing and a caller that loses the claim has its live state untouched.
 
+Shared tier
+    CapsuleStore(..., shared=RedisTier(...)) (capsules/redis_tier.py) adds a tier below disk
+    shared by a fleet: put() also queues the capsule for publishing there, and match() with a
+    fingerprint asks it for a longer prefix than the local one, putting what it fetches into
+    the local tiers. Its faults never reach the caller: they are misses.
+
 Several processes may open one disk_dir; each keeps its own index (built when it opens) and
 its own accounting, so budgets and LRU order are per process. What one process removes,
 another sees as a missing file: get() then forgets the key and raises KeyError.
@@ -178,7 +184,7 @@ class CapsuleStore:
     """Capsules by key over device / host / disk tiers; see the module docstring."""
 
     def __init__(self, device_bytes: int = 0, host_bytes: int = 0, disk_dir=None,
-                 disk_bytes: int | None = None, device=None, verify: bool = False):
+                 disk_bytes: int | None = None, device=None, verify: bool = False, shared=None):
         _check_budgets(device_bytes=device_bytes, host_bytes=host_bytes, disk_bytes=disk_bytes)
         self.device = _store_device(device)
         self._disk = DiskDir(disk_dir) if disk_dir is not None else None
@@ -186,6 +192,7 @@ class CapsuleStore:
         self._cat = c = _Catalog()
         self._recs, self._by_id, self._lru = c.recs, c.by_id, c.lru
         self._lock = threading.RLock()
+        self.shared = shared      # a tier below disk shared by a fleet (capsules/redis_tier.py)
         self._tiers = Tiers([device_bytes, host_bytes, disk_bytes if self._disk else 0], self.device,
                             self._disk, c.recs, c.lru, self._drop, self._load)
         if self._disk:
@@ -193,7 +200,14 @@ class CapsuleStore:
 
     # ---- public API ----------------------------------------------------------------------
     def put(self, cap: Capsule, key: str | None = None, pin: bool = False) -> str:
-        """Store `cap` under `key` (default: cap.id); returns the key."""
+        """Store `cap` under `key` (default: cap.id); returns the key. With a shared tier, it
+        is also queued for publishing there (off the caller's path)."""
+        key = self._put(cap, key, pin)
+        if self.shared is not None:
+            self.shared.publish(cap, self, pin)
+        return key
+
+    def _put(self, cap: Capsule, key: str | None, pin: bool) -> str:
         with self._lock:
             key = _check_key(cap.id if key is None else key)
             old = self._recs.get(key)
@@ -270,6 +284,12 @@ class CapsuleStore:
         if isinstance(tokens, torch.Tensor):
             tokens = tokens.reshape(-1).tolist()
         tokens = [int(t) for t in tokens]
+        cap, n = self._match(tokens, fingerprint)
+        if self.shared is not None:       # a longer prefix elsewhere in the fleet, fetched here
+            cap, n = self.shared.extend_match(self, tokens, fingerprint, cap, n)
+        return cap, n
+
+    def _match(self, tokens, fingerprint):
         with self._lock:
             for n, keys in self._cat.candidates(tokens):
                 for k in keys:
