@@ -21,7 +21,7 @@ setup() {
     fi
   fi
   "$PY" -m pip install -q "scikit-build-core>=0.10" "pybind11>=2.12" ninja \
-      "safetensors>=0.4" "numpy>=1.24" "transformers>=4.57" pytest matplotlib tqdm
+      "safetensors>=0.4" "numpy>=1.24" "transformers>=4.57" pytest matplotlib tqdm "redis>=5"
   # Triton: CUDA torch wheels bring their own; elsewhere the pinned release whose CPU interpreter
   # the kernel tests use (a platform without a wheel only skips those tests).
   if ! "$PY" -c "import triton" 2>/dev/null; then
@@ -30,6 +30,18 @@ setup() {
   # the serve extra (flashrt serve and tests/test_serve.py)
   "$PY" -m pip install -q "fastapi>=0.110" "uvicorn>=0.29" "jinja2>=3.1" "tokenizers>=0.19" \
       "openai>=1.30" "httpx>=0.27"
+  # the shared capsule tier's tests start a real redis-server (Debian's) on loopback, with TLS
+  # certificates made by openssl
+  local missing=""
+  command -v redis-server >/dev/null 2>&1 || missing="redis-server"
+  command -v openssl >/dev/null 2>&1 || missing="$missing openssl"
+  if [ -n "$missing" ]; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+      apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $missing
+    else
+      echo "run.sh: missing $missing (apt-get install as root); the Redis tier tests will fail" >&2
+    fi
+  fi
   # --no-deps: never let pip swap the torch that is already there.
   "$PY" -m pip install -q --no-build-isolation --no-deps .
   # from tests/, so the installed package is imported rather than the source tree
