@@ -1,0 +1,315 @@
+"""The Redis capsule tier against a real redis-server (Debian's, started here on loopback; the
+tests fail when it is missing). Two "nodes" are two runtimes with their own CapsuleStores over
+one Redis; checkpoints have random weights."""
+import json
+import shutil
+import socket
+import subprocess
+import threading
+import time
+
+import pytest
+import redis
+import torch
+
+import flashrt
+from flashrt.capsules import format as fmt
+from flashrt.capsules.redis_tier import RedisTier, fingerprint_digest, prefix_digests
+from flashrt.capsules.store import CapsuleStore
+
+T1 = [(7 * i + 3) % 97 + 1 for i in range(40)]
+
+
+class Server:
+    """A redis-server on a free loopback port, killable and restartable on that port."""
+
+    def __init__(self, tmp, *extra):
+        exe = shutil.which("redis-server")
+        if exe is None:
+            pytest.fail("redis-server not found: run ./run.sh setup (apt-get install redis-server)")
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.cmd = [exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+                    "--appendonly", "no", "--dir", str(tmp), *extra]
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.start()
+
+    def start(self):
+        self.proc = subprocess.Popen(self.cmd, stdout=subprocess.DEVNULL)
+        for _ in range(200):
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.1):
+                    return
+            except OSError:
+                time.sleep(0.02)
+        pytest.fail(f"redis-server did not start on port {self.port}")
+
+    def kill(self):
+        self.proc.kill()
+        self.proc.wait()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    s = Server(tmp_path_factory.mktemp("redis"))
+    yield s
+    s.kill()
+
+
+@pytest.fixture
+def raw(server):
+    r = redis.Redis.from_url(server.url)
+    r.flushall()
+    yield r
+    r.close()
+
+
+@pytest.fixture
+def tiers(server, raw):
+    made = []
+
+    def make(**kw):
+        made.append(RedisTier.from_url(server.url, **kw))
+        return made[-1]
+    yield make
+    for t in made:
+        t.close()
+
+
+@pytest.fixture(scope="module")
+def rt(runtime):
+    return lambda **kw: runtime("qwen3_5", **kw)
+
+
+def snap(m, tokens):
+    m.reset()
+    m.prefill(tokens)
+    return m.snapshot()
+
+
+def test_turn2_on_another_node(rt, tiers):
+    ta, tb = tiers(), tiers()
+    a, b, cold = rt(), rt(), rt()
+    sa, sb = CapsuleStore(host_bytes=1 << 30, shared=ta), CapsuleStore(host_bytes=1 << 30, shared=tb)
+    a.set_context(T1, store=sa)
+    turn1 = a.generate(max_new_tokens=6)
+    turn2 = T1 + list(turn1) + [5, 6, 7]
+    a.set_context(turn2, store=sa)                # stored as a delta over turn 1's capsule
+    assert ta.flush() and ta.stats()["published"] == 2
+    prompt = turn2 + [11, 12]
+    logits = b.set_context(prompt, store=sb)
+    assert b.last_reused == len(turn2)            # the whole stored prefix, from node A
+    st = tb.stats()
+    assert st["hits"] == 1 and st["corrupt"] == 0 and st["fetched_bytes"] > 0
+    assert len(sb) >= 2                           # the chain now lives in B's local tiers
+    lc = cold.prefill(prompt)
+    for _ in range(8):                            # same greedy output as cold (top-2 margin rule)
+        assert (logits - lc).abs().max() < 1e-4
+        top = torch.topk(lc, 2).values
+        if top[0] - top[1] > 1e-3:
+            assert int(logits.argmax()) == int(lc.argmax())
+        tok = int(lc.argmax())
+        logits, lc = b.decode(tok), cold.decode(tok)
+
+
+def test_other_fingerprints_see_nothing(rt, runtime, tiers, raw):
+    ta, tb, tc = tiers(), tiers(), tiers()
+    a = rt()
+    other = runtime("qwen3_5", ckpt_kw={"seed": 1})          # other weights
+    bf16 = rt(dtype="bfloat16")                                # same weights, other dtype
+    cap = snap(a, T1)
+    CapsuleStore(host_bytes=1 << 30, shared=ta).put(cap)
+    assert ta.flush() and ta.stats()["published"] == 1
+    for m, t in ((other, tb), (bf16, tc)):
+        assert fingerprint_digest(m.fingerprint) != fingerprint_digest(a.fingerprint)
+        m.set_context(T1 + [1], store=CapsuleStore(host_bytes=1 << 30, shared=t))
+        assert m.last_reused == 0 and t.stats()["hits"] == 0
+    assert t.lookup(T1, a.fingerprint)[1] == len(T1)         # the right model does see it
+    fp = fingerprint_digest(a.fingerprint)
+    assert [k.decode() for k in raw.scan_iter(f"flashrt:{{{fp}}}:m:*")] == [f"flashrt:{{{fp}}}:m:{cap.id}"]
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "missing_chunk"])
+def test_damaged_value_is_a_counted_miss(rt, tiers, raw, damage):
+    ta, tb = tiers(chunk_bytes=8192), tiers()
+    a, b, cold = rt(), rt(), rt()
+    ta.publish(snap(a, T1))
+    assert ta.flush()
+    P = f"flashrt:{{{fingerprint_digest(a.fingerprint)}}}:"
+    chunks = sorted(raw.scan_iter(P + "c:*"))
+    assert len(chunks) > 2
+    k = chunks[1]
+    if damage == "flip":
+        v = bytearray(raw.get(k))
+        v[100] ^= 0x10
+        raw.set(k, bytes(v), keepttl=True)
+    elif damage == "truncate":
+        raw.set(k, raw.get(k)[:-1], keepttl=True)
+    else:
+        raw.delete(k)
+    logits = b.set_context(T1 + [3], store=CapsuleStore(host_bytes=1 << 30, shared=tb))
+    assert b.last_reused == 0                                 # never restored
+    assert tb.stats()["corrupt"] == 1 and tb.stats()["hits"] == 0
+    assert not list(raw.scan_iter(P + "m:*"))                 # the damaged capsule is deleted
+    assert not list(raw.scan_iter(P + "i:*"))
+    assert (logits - cold.prefill(T1 + [3])).abs().max() < 1e-4
+
+
+def test_dangling_index_entry_is_deleted(rt, tiers, raw):
+    t = tiers()
+    a = rt()
+    cap = snap(a, T1)
+    t.publish(cap)
+    assert t.flush()
+    P = f"flashrt:{{{fingerprint_digest(a.fingerprint)}}}:"
+    raw.delete(P + "m:" + cap.id)                             # as if its keys had expired
+    assert t.lookup(T1, a.fingerprint) == (None, 0)
+    assert t.stats()["dangling"] == 1
+    assert raw.get(P + "i:" + prefix_digests(T1, [len(T1)])[len(T1)]) is None
+
+
+def test_redis_killed_mid_run(rt, tmp_path):
+    srv = Server(tmp_path)
+    try:
+        ta = RedisTier.from_url(srv.url, failures=2, open_s=0.5)
+        tb = RedisTier.from_url(srv.url, failures=2, open_s=0.5)
+        a, b = rt(), rt()
+        sa, sb = CapsuleStore(host_bytes=1 << 30, shared=ta), CapsuleStore(host_bytes=1 << 30, shared=tb)
+        a.set_context(T1, store=sa)
+        assert ta.flush()
+        srv.kill()
+        t0 = time.perf_counter()
+        for i in range(4):                  # serving continues locally: no exception reaches us
+            a.set_context(T1 + [i + 1, 2], store=sa)
+            b.set_context(T1 + [i + 1, 3], store=sb)
+            assert b.last_reused == 0
+        assert ta.flush(timeout=10)
+        assert time.perf_counter() - t0 < 5                   # the breaker bounds the stall
+        sta, stb = ta.stats(), tb.stats()
+        assert stb["breaker_opens"] >= 1 and stb["skipped"] >= 1 and stb["errors"] >= 2
+        assert sta["dropped"] >= 1 and sta["errors"] >= 1
+        srv.start()                          # back (empty): the tier reconnects by itself
+        time.sleep(0.6)
+        a.set_context(T1 + [9, 9, 9], store=sa)
+        assert ta.flush()
+        b.set_context(T1 + [9, 9, 9, 4], store=sb)
+        assert b.last_reused == len(T1) + 3 and tb.stats()["hits"] == 1
+        ta.close()
+        tb.close()
+    finally:
+        srv.kill()
+
+
+def test_concurrent_writers_of_one_prefix(rt, tiers, raw):
+    a, a2 = rt(), rt()
+    caps = [snap(a, T1), snap(a2, T1)]                        # same prefix, two capsule ids
+    writers = [tiers(chunk_bytes=4096) for _ in range(6)]
+    go = threading.Barrier(len(writers))
+
+    def write(i):
+        go.wait()
+        writers[i].publish(caps[i % 2])
+        writers[i].publish(caps[(i + 1) % 2])
+        writers[i].flush()
+    threads = [threading.Thread(target=write, args=(i,)) for i in range(len(writers))]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    P = f"flashrt:{{{fingerprint_digest(a.fingerprint)}}}:"
+    metas = [k.decode() for k in raw.scan_iter(P + "m:*")]
+    assert len(metas) == 1                                    # first writer of the prefix won
+    assert sum(t.stats()["published"] for t in writers) == 1
+    m = json.loads(raw.get(metas[0]))
+    live = {f"{P}c:{m['id']}:{m['u']}:{i}".encode() for i in range(m["k"])}
+    assert set(raw.scan_iter(P + "c:*")) == live              # no other upload left behind
+    assert int(raw.get(P + "bytes")) == m["b"]
+    got, n = tiers().lookup(T1 + [1], a.fingerprint)
+    src = caps[0] if got.id == caps[0].id else caps[1]
+    assert n == len(T1) and all(torch.equal(got.raw(e), src.raw(e)) for e in src.entries)
+
+
+def test_publish_races_next_turn(rt, tiers):
+    ta, tb = tiers(chunk_bytes=2048), tiers()
+    a = rt()
+    cap = snap(a, T1)
+    want = fmt.to_bytes(cap)
+    seen = set()
+    ta.publish(cap)
+    while True:                              # before the publish completes: a miss or all of it
+        got, n = tb.lookup(T1, a.fingerprint)
+        if got is None:
+            seen.add("miss")
+        else:
+            assert n == len(T1) and fmt.to_bytes(got) == want
+            seen.add("hit")
+            break
+    assert ta.flush() and "hit" in seen and tb.stats()["corrupt"] == 0
+
+
+def test_chunking_and_chunk_size_checks(rt, tiers, raw):
+    with pytest.raises(ValueError, match="chunk_bytes"):
+        tiers(chunk_bytes=600 << 20)
+    t = tiers(chunk_bytes=1000)
+    a = rt()
+    cap = snap(a, T1)
+    t.publish(cap)
+    assert t.flush()
+    P = f"flashrt:{{{fingerprint_digest(a.fingerprint)}}}:"
+    size = len(fmt.to_bytes(cap))
+    assert len(list(raw.scan_iter(P + "c:*"))) == -(-size // 1000)
+    got, n = t.lookup(T1 + [5], a.fingerprint)
+    assert n == len(T1) and fmt.to_bytes(got) == fmt.to_bytes(cap)
+
+
+def test_budget_lru_and_pinned(rt, tiers, raw):
+    a = rt()
+    caps = [snap(a, T1[:20 + 4 * i]) for i in range(4)]
+    size = max(len(fmt.to_bytes(c)) for c in caps)
+    t = tiers(budget_bytes=int(2.5 * size))
+    t.publish(caps[0], pin=True)
+    for c in caps[1:]:
+        t.publish(c)
+        assert t.flush()
+    P = f"flashrt:{{{fingerprint_digest(a.fingerprint)}}}:"
+    live = {k.decode().rsplit(":", 1)[1] for k in raw.scan_iter(P + "m:*")}
+    assert live == {caps[0].id, caps[3].id}                   # pinned kept; LRU order evicted
+    assert int(raw.get(P + "bytes")) <= 2.5 * size
+    assert raw.pttl(P + "m:" + caps[0].id) == -1              # a pinned capsule has no TTL
+    assert t.lookup(T1[:20], a.fingerprint)[1] == 20
+
+
+def test_ttl_child_use_renews_parents(rt, tiers, raw):
+    t = tiers(ttl_s=1.0)
+    a = rt()
+    store = CapsuleStore(host_bytes=1 << 30, shared=t)
+    a.set_context(T1[:30], store=store)
+    a.set_context(T1, store=store)                            # a delta over the first capsule
+    assert t.flush() and t.stats()["published"] == 2
+    P = f"flashrt:{{{fingerprint_digest(a.fingerprint)}}}:"
+    parent = next(c for c in store.keys() if store.get(c).position == 30)
+    for _ in range(3):                       # 1.8 s > the TTL: kept alive by using the child
+        time.sleep(0.6)
+        got, n = t.lookup(T1 + [1], a.fingerprint)
+        assert n == len(T1) and got.parent_capsule.id == parent
+    assert raw.exists(P + "m:" + parent)
+    time.sleep(1.2)
+    assert not list(raw.scan_iter(P + "m:*"))                 # unused: expired
+    assert t.lookup(T1, a.fingerprint) == (None, 0)
+
+
+def test_auth(rt, tmp_path):
+    srv = Server(tmp_path, "--requirepass", "s3cret")
+    try:
+        a = rt()
+        url = f"redis://:s3cret@127.0.0.1:{srv.port}/0"
+        good, bad = RedisTier.from_url(url), RedisTier.from_url(srv.url)
+        good.publish(snap(a, T1))
+        assert good.flush() and good.stats()["published"] == 1
+        assert bad.lookup(T1, a.fingerprint) == (None, 0) and bad.stats()["errors"] == 1
+        assert good.lookup(T1, a.fingerprint)[1] == len(T1)
+        good.close()
+        bad.close()
+    finally:
+        srv.kill()
