@@ -58,9 +58,13 @@ def cmd_layout(args) -> int:
     return 0
 
 
+# `flashrt bench redis` runs bench/redis_tier.py: a script named redis.py would shadow redis-py
+_BENCH_FILES = {"redis": "redis_tier"}
+
+
 def cmd_bench(args) -> int:
     root = Path(__file__).resolve().parent.parent / "bench"
-    script = root / f"{args.which}.py"
+    script = root / f"{_BENCH_FILES.get(args.which, args.which)}.py"
     if not script.exists():
         print(f"bench scripts live in the source checkout (bench/{args.which}.py); not found at {root}",
               file=sys.stderr)
@@ -121,8 +125,8 @@ def main(argv=None) -> int:
     from flashrt.serve.server import parser as serve_parser
     serve_parser(s)
     s.set_defaults(fn=cmd_serve)
-    b = sub.add_parser("bench", help="run a benchmark: ttft | capsules | ablation | models | serve")
-    b.add_argument("which", choices=["ttft", "capsules", "ablation", "models", "serve"])
+    b = sub.add_parser("bench", help="run a benchmark: ttft | capsules | ablation | models | serve | redis")
+    b.add_argument("which", choices=["ttft", "capsules", "ablation", "models", "serve", "redis"])
     b.add_argument("rest", nargs=argparse.REMAINDER)
     b.set_defaults(fn=cmd_bench)
     args = ap.parse_args(argv)
