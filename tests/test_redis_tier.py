@@ -23,15 +23,15 @@ T1 = [(7 * i + 3) % 97 + 1 for i in range(40)]
 class Server:
     """A redis-server on a free loopback port, killable and restartable on that port."""
 
-    def __init__(self, tmp, *extra):
+    def __init__(self, tmp, *extra, conf=None):
         exe = shutil.which("redis-server")
         if exe is None:
             pytest.fail("redis-server not found: run ./run.sh setup (apt-get install redis-server)")
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
-        self.cmd = [exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-                    "--appendonly", "no", "--dir", str(tmp), *extra]
+        self.cmd = [exe, *([str(conf)] if conf else []), "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+                    "--appendonly", "no", "--dir", str(tmp), *(x.format(port=self.port) for x in extra)]
         self.url = f"redis://127.0.0.1:{self.port}/0"
         self.start()
 
@@ -313,3 +313,45 @@ def test_auth(rt, tmp_path):
         bad.close()
     finally:
         srv.kill()
+
+
+def test_cluster_keys_share_one_slot(rt, tmp_path):
+    nodes = [Server(tmp_path, "--cluster-enabled", "yes", "--cluster-config-file", "nodes-{port}.conf")
+             for _ in range(3)]
+    try:
+        subprocess.run(["redis-cli", "--cluster", "create", *[f"127.0.0.1:{n.port}" for n in nodes],
+                        "--cluster-replicas", "0", "--cluster-yes"], check=True, capture_output=True)
+        for _ in range(200):                 # every node must know the whole slot map
+            if all(redis.Redis(port=n.port).cluster("info")["cluster_state"] == "ok" for n in nodes):
+                break
+            time.sleep(0.05)
+        t = RedisTier.cluster(startup_nodes=[("127.0.0.1", n.port) for n in nodes], chunk_bytes=4096)
+        a = rt()
+        store = CapsuleStore(host_bytes=1 << 30, shared=t)
+        a.set_context(T1[:30], store=store)
+        a.set_context(T1, store=store)                            # a delta and its parent
+        assert t.flush() and t.stats()["published"] == 2
+        got, n = t.lookup(T1 + [2], a.fingerprint)
+        assert n == len(T1) and got.parent_capsule.position == 30
+        keys = [k for n_ in nodes for k in redis.Redis(port=n_.port).keys("flashrt:*")]
+        assert len(keys) > 8 and len({t.client.keyslot(k) for k in keys}) == 1
+        t.close()
+    finally:
+        for n_ in nodes:
+            n_.kill()
+
+
+def test_sentinel(rt, server, raw, tmp_path):
+    conf = tmp_path / "sentinel.conf"
+    conf.write_text(f"sentinel monitor flashrt 127.0.0.1 {server.port} 1\n")
+    sentinel = Server(tmp_path, "--sentinel", conf=conf)
+    try:
+        t = RedisTier.sentinel([("127.0.0.1", sentinel.port)], "flashrt")
+        a = rt()
+        t.publish(snap(a, T1))
+        assert t.flush() and t.stats()["published"] == 1
+        assert t.lookup(T1, a.fingerprint)[1] == len(T1)
+        assert raw.exists(f"flashrt:{{{fingerprint_digest(a.fingerprint)}}}:lru")   # on the master
+        t.close()
+    finally:
+        sentinel.kill()
