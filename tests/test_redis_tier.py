@@ -299,18 +299,26 @@ def test_ttl_child_use_renews_parents(rt, tiers, raw):
     assert t.lookup(T1, a.fingerprint) == (None, 0)
 
 
-def test_auth(rt, tmp_path):
-    srv = Server(tmp_path, "--requirepass", "s3cret")
+def test_tls_and_auth(rt, tmp_path):
+    key, crt = str(tmp_path / "k.pem"), str(tmp_path / "c.pem")
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", key, "-out", crt,
+                    "-days", "1", "-subj", "/CN=localhost", "-addext", "subjectAltName=IP:127.0.0.1"],
+                   check=True, capture_output=True)
+    srv = Server(tmp_path, "--port", "0", "--tls-port", "{port}", "--tls-cert-file", crt, "--tls-key-file",
+                 key, "--tls-ca-cert-file", crt, "--tls-auth-clients", "no", "--requirepass", "s3cret")
+    tls = {"ssl_ca_certs": crt}
     try:
         a = rt()
-        url = f"redis://:s3cret@127.0.0.1:{srv.port}/0"
-        good, bad = RedisTier.from_url(url), RedisTier.from_url(srv.url)
+        good = RedisTier.from_url(f"rediss://:s3cret@127.0.0.1:{srv.port}/0", client_opts=tls)
+        no_password = RedisTier.from_url(f"rediss://127.0.0.1:{srv.port}/0", client_opts=tls)
+        no_tls = RedisTier.from_url(f"redis://:s3cret@127.0.0.1:{srv.port}/0")
         good.publish(snap(a, T1))
         assert good.flush() and good.stats()["published"] == 1
-        assert bad.lookup(T1, a.fingerprint) == (None, 0) and bad.stats()["errors"] == 1
+        for t in (no_password, no_tls):      # refused: a miss and a counted error, no exception
+            assert t.lookup(T1, a.fingerprint) == (None, 0) and t.stats()["errors"] == 1
         assert good.lookup(T1, a.fingerprint)[1] == len(T1)
-        good.close()
-        bad.close()
+        for t in (good, no_password, no_tls):
+            t.close()
     finally:
         srv.kill()
 
