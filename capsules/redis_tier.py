@@ -5,7 +5,7 @@ continue a conversation whose last turn ran on another one.
     store = CapsuleStore(host_bytes=2 << 30, disk_dir="caps", shared=tier)
     rt.set_context(tokens, store=store)   # local miss -> fetched from Redis; turn end -> published
 
-Keys (see capsules/redis_lua.py for the full table) all start with "<ns>:{<fp>}:", where fp is a
+Keys (see capsules/redis_keys.py for the full table) all start with "<ns>:{<fp>}:", where fp is a
 digest of the model fingerprint (model_type, config, weights, dtype, layout): a server with other
 weights, dtype or layout computes another fp and never sees these keys. The braces are a Redis
 Cluster hash tag, so one model's keys share a slot and every Lua script runs on one node.
@@ -36,80 +36,29 @@ and for open_s seconds no call is tried; then one probe runs and the tier reconn
 (redis-py opens a new connection). Publishing runs on a background thread with a bounded queue
 (full: dropped and counted); flush() waits for it.
 
-Security: capsules hold the conversation's tokens. Use AUTH (redis://user:password@host or
-password=...) and TLS (rediss://, with ssl_ca_certs=... / ssl_certfile=... passed through to
-redis-py); Sentinel and Cluster take the same keyword arguments.
+Security: capsules hold the conversation's tokens. Use AUTH (redis://[user]:password@host, or
+client_opts={"password": ...}) and TLS (rediss://, with client_opts={"ssl_ca_certs": ...,
+"ssl_certfile": ..., "ssl_keyfile": ...} passed to redis-py); cluster() and sentinel() take the
+same client_opts (sentinel_opts for the sentinels' own AUTH/TLS).
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
-import queue
 import secrets
 import threading
 import time
 
-import numpy as np
-
 from flashrt.errors import CapsuleCorruptError
 
 from . import format as _fmt
-from .redis_lua import COMMIT, DROP, TOUCH
+from . import redis_conn as _conn
+from .redis_keys import COMMIT, DROP, TOUCH, fingerprint_digest, prefix_digests
 from .types import FINGERPRINT_KEYS, Capsule
 
 log = logging.getLogger(__name__)
 _MAX_CHUNK = 512 * 1000 * 1000 - 1        # Redis's proto-max-bulk-len default is 512 MB
 _UPLOAD_TTL_MS = 600_000                  # chunks of an upload that never commits expire
-
-
-def _redis():
-    import redis                          # optional extra: pip install 'flashrt[redis]'
-    return redis
-
-
-def fingerprint_digest(fp: dict) -> str:
-    """The key component for a model fingerprint: equal only where all five fields are."""
-    text = json.dumps([fp.get(k) for k in FINGERPRINT_KEYS], sort_keys=True, separators=(",", ":"))
-    return hashlib.sha256(text.encode()).hexdigest()[:24]
-
-
-def prefix_digests(tokens, lengths) -> dict:
-    """{n: digest of tokens[:n]} for each n in lengths, in one incremental pass."""
-    arr = np.asarray(tokens, dtype="<i8")
-    h, done, out = hashlib.blake2b(digest_size=16), 0, {}
-    for n in sorted(set(lengths)):
-        h.update(arr[done:n].tobytes())
-        done = n
-        out[n] = h.copy().hexdigest()
-    return out
-
-
-class Breaker:
-    """Consecutive-failure circuit breaker: open for open_s after `failures` errors in a row."""
-
-    def __init__(self, failures: int = 2, open_s: float = 5.0):
-        self.failures, self.open_s = failures, open_s
-        self._n, self._until, self.opens = 0, 0.0, 0
-        self._lock = threading.Lock()
-
-    @property
-    def is_open(self) -> bool:
-        return time.monotonic() < self._until
-
-    def allow(self) -> bool:
-        return not self.is_open          # past open_s: a probe goes through (half-open)
-
-    def ok(self) -> None:
-        with self._lock:
-            self._n = 0
-
-    def fail(self) -> None:
-        with self._lock:
-            self._n += 1
-            if self._n >= self.failures:
-                self._n, self._until = 0, time.monotonic() + self.open_s
-                self.opens += 1
 
 
 class RedisTier:
@@ -130,59 +79,41 @@ class RedisTier:
         self.ttl_ms = int(ttl_s * 1000) if ttl_s else 0
         self.budget = -1 if budget_bytes is None else int(budget_bytes)
         self.chunk_bytes, self.max_lengths = chunk_bytes, max_lengths
-        self.breaker = Breaker(failures, open_s)
+        self.breaker = _conn.Breaker(failures, open_s)
         self._scripts = {n: client.register_script(s) for n, s in
                          (("commit", COMMIT), ("touch", TOUCH), ("drop", DROP))}
         self._stats = dict.fromkeys(("hits", "misses", "fetched_bytes", "corrupt", "dangling",
                                      "published", "deduped", "dropped", "skipped", "errors"), 0)
         self._slock = threading.Lock()
-        self._q: queue.Queue = queue.Queue(maxsize=queue_size)
-        self._pending, self._idle = 0, threading.Condition()
+        self._jobs = _conn.Background(self._work, queue_size, "flashrt-redis-publish")
         self._local = threading.local()  # a fetch putting into the store must not republish
-        self._worker: threading.Thread | None = None
         self._closed = False
 
-    # ---- construction ---------------------------------------------------------------------
-    @staticmethod
-    def _client_opts(kw: dict) -> dict:
-        from redis.backoff import NoBackoff
-        from redis.retry import Retry
-        # the breaker, not redis-py's retries, decides how long a dead server can stall us
-        return dict(socket_timeout=1.0, socket_connect_timeout=0.5, retry=Retry(NoBackoff(), 0)) | kw
-
+    # ---- construction (client options: capsules/redis_conn.py) ------------------------------
     @classmethod
     def from_url(cls, url: str, client_opts: dict | None = None, **tier_opts) -> "RedisTier":
         """redis://[user:password@]host:port/db or rediss:// (TLS; ssl_* options in client_opts)."""
-        return cls(_redis().Redis.from_url(url, **cls._client_opts(client_opts or {})), **tier_opts)
+        return cls(_conn.url_client(url, client_opts), **tier_opts)
 
     @classmethod
     def cluster(cls, url: str | None = None, startup_nodes=None, client_opts: dict | None = None,
                 **tier_opts) -> "RedisTier":
         """A Redis Cluster from a seed URL or a list of (host, port) startup nodes."""
-        from redis.cluster import ClusterNode, RedisCluster
-        opts = cls._client_opts(client_opts or {})
-        if url is not None:
-            client = RedisCluster.from_url(url, **opts)
-        else:
-            client = RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in startup_nodes], **opts)
-        return cls(client, **tier_opts)
+        return cls(_conn.cluster_client(url, startup_nodes, client_opts), **tier_opts)
 
     @classmethod
     def sentinel(cls, sentinels, service_name: str, client_opts: dict | None = None,
                  sentinel_opts: dict | None = None, **tier_opts) -> "RedisTier":
         """The master of `service_name` as named by the sentinels [(host, port), ...]; password,
         ssl and timeouts in client_opts, the sentinels' own AUTH/TLS in sentinel_opts."""
-        from redis.sentinel import Sentinel
-        opts = cls._client_opts(client_opts or {})
-        s = Sentinel(sentinels, sentinel_kwargs=sentinel_opts, **opts)
-        return cls(s.master_for(service_name, **opts), **tier_opts)
+        return cls(_conn.sentinel_client(sentinels, service_name, client_opts, sentinel_opts), **tier_opts)
 
     # ---- public API -----------------------------------------------------------------------
     def stats(self) -> dict:
         with self._slock:
             out = dict(self._stats)
         out["breaker_opens"], out["breaker_open"] = self.breaker.opens, self.breaker.is_open
-        out["queued"] = self._pending
+        out["queued"] = self._jobs.pending
         return out
 
     def publish(self, cap: Capsule, store=None, pin: bool = False) -> bool:
@@ -190,34 +121,19 @@ class RedisTier:
         publishing; returns at once. False: not queued (full, closed, or a single-use capsule)."""
         if cap.meta.single_use or getattr(self._local, "fetching", False) or self._closed:
             return False
-        with self._idle:
-            self._pending += 1
-        try:
-            self._q.put_nowait((cap, store, pin))
-        except queue.Full:
-            self._done()
+        if not self._jobs.submit((cap, store, pin)):
             self._count("dropped")
             log.warning("redis tier: publish queue full; capsule %s not published", cap.id)
             return False
-        self._start()
         return True
 
     def flush(self, timeout: float = 30.0) -> bool:
         """Wait until every queued publish has finished (or been dropped); False on timeout."""
-        end = time.monotonic() + timeout
-        with self._idle:
-            while self._pending:
-                left = end - time.monotonic()
-                if left <= 0:
-                    return False
-                self._idle.wait(left)
-        return True
+        return self._jobs.flush(timeout)
 
     def close(self) -> None:
         self._closed = True
-        if self._worker is not None:
-            self._q.put(None)
-            self._worker.join(timeout=10)
+        self._jobs.close()
         self.client.close()
 
     def lookup(self, tokens, fingerprint: dict, longer_than: int = 0, have=None):
@@ -264,7 +180,7 @@ class RedisTier:
 
     def _guard(self, fn, default, *args):
         """fn(*args); Redis connection errors and timeouts trip the breaker and give `default`."""
-        redis = _redis()
+        redis = _conn.redis_module()
         if not self.breaker.allow():
             self._count("skipped")
             return default
@@ -281,9 +197,6 @@ class RedisTier:
             return default
         self.breaker.ok()
         return out
-
-    def _now(self) -> int:
-        return int(time.time() * 1000)
 
     def _run(self, name, P, keys, *args):
         return self._scripts[name](keys=[P + "lru", *keys], args=[P, *args])
@@ -307,7 +220,7 @@ class RedisTier:
             if cap.position != n or cap.tokens != tokens[:n] or not _same_fp(cap.meta.fingerprint, fp):
                 self._bad(P, cid, dig[n], "its token history or fingerprint is not the one indexed")
                 continue
-            self._run("touch", P, [], self._now(), self.ttl_ms, cid)
+            self._run("touch", P, [], _now_ms(), self.ttl_ms, cid)
             return cap, n
         return None
 
@@ -359,31 +272,10 @@ class RedisTier:
         self._run("drop", P, [], cid, digest)
 
     # ---- internals: publishing ------------------------------------------------------------
-    def _start(self):
-        if self._worker is None or not self._worker.is_alive():
-            self._worker = threading.Thread(target=self._work, name="flashrt-redis-publish", daemon=True)
-            self._worker.start()
-
-    def _done(self):
-        with self._idle:
-            self._pending -= 1
-            self._idle.notify_all()
-
-    def _work(self):
-        while True:
-            job = self._q.get()
-            if job is None:
-                return
-            try:
-                cap, store, pin = job
-                P = self._prefix(cap.meta.fingerprint)
-                if self._guard(self._publish, "error", P, cap, store, pin, False) == "error":
-                    self._count("dropped")
-            except Exception as e:        # never kill the worker: one capsule fails, not the tier
-                self._count("errors")
-                log.exception("redis tier: publish failed: %s", e)
-            finally:
-                self._done()
+    def _work(self, job):
+        cap, store, pin = job
+        res = self._guard(self._publish, "error", self._prefix(cap.meta.fingerprint), cap, store, pin, False)
+        self._count("published" if res == "ok" else "deduped" if res in ("exists", "dup") else "dropped")
 
     def _publish(self, P, cap, store, pin, force):
         if cap.is_delta and not self.client.exists(P + "m:" + cap.meta.parent["id"]):
@@ -396,8 +288,7 @@ class RedisTier:
                 return "noparent"
             self._publish(P, parent, store, False, True)
         elif not force and self.client.exists(P + "m:" + cap.id):
-            self._run("touch", P, [], self._now(), self.ttl_ms, cap.id)
-            self._count("deduped")
+            self._run("touch", P, [], _now_ms(), self.ttl_ms, cap.id)
             return "exists"
         data = _fmt.to_bytes(cap)
         if self.budget >= 0 and len(data) > self.budget:
@@ -414,11 +305,13 @@ class RedisTier:
             pipe.set(f"{P}c:{cap.id}:{nonce}:{i}", view[i * self.chunk_bytes:(i + 1) * self.chunk_bytes],
                      px=_UPLOAD_TTL_MS)
         pipe.execute()
-        res = self._run("commit", P, [], json.dumps(meta), self._now(), self.ttl_ms, self.budget,
+        res = self._run("commit", P, [], json.dumps(meta), _now_ms(), self.ttl_ms, self.budget,
                         int(pin), int(force))
-        res = res.decode() if isinstance(res, bytes) else res
-        self._count("published" if res == "ok" else "deduped" if res in ("exists", "dup") else "dropped")
-        return res
+        return res.decode() if isinstance(res, bytes) else res
+
+
+def _now_ms() -> int:
+    return int(time.time() * 1000)
 
 
 def _same_fp(a: dict, b: dict) -> bool:

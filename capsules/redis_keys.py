@@ -1,5 +1,6 @@
-"""Lua scripts of the Redis tier (capsules/redis_tier.py): each runs atomically on the one slot
-of a fingerprint ({fp} hash tag), so values, index entries and bookkeeping never disagree.
+"""Keys of the Redis tier (capsules/redis_tier.py) and the Lua scripts that change them: each
+runs atomically on the one slot of a fingerprint ({fp} hash tag), so values, index entries and
+bookkeeping never disagree.
 
 Every script gets ARGV[1] = the key prefix "<ns>:{<fp>}:". Keys under it:
     m:<id>              meta JSON {id, n, d, b, k, u, p, x}   (TTL)   liveness of capsule <id>
@@ -12,6 +13,31 @@ Every script gets ARGV[1] = the key prefix "<ns>:{<fp>}:". Keys under it:
 Meta fields: n tokens, d prefix digest, b value bytes, k chunks, u upload nonce, p parent id
 ("" for none), x = 1 when this capsule owns its index entry.
 """
+
+import hashlib
+import json
+
+import numpy as np
+
+from .types import FINGERPRINT_KEYS
+
+
+def fingerprint_digest(fp: dict) -> str:
+    """The key component for a model fingerprint: equal only where all five fields are."""
+    text = json.dumps([fp.get(k) for k in FINGERPRINT_KEYS], sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()[:24]
+
+
+def prefix_digests(tokens, lengths) -> dict:
+    """{n: digest of tokens[:n]} for each n in lengths, in one incremental pass."""
+    arr = np.asarray(tokens, dtype="<i8")
+    h, done, out = hashlib.blake2b(digest_size=16), 0, {}
+    for n in sorted(set(lengths)):
+        h.update(arr[done:n].tobytes())
+        done = n
+        out[n] = h.copy().hexdigest()
+    return out
+
 
 COMMON = r"""
 local P = ARGV[1]
