@@ -493,3 +493,22 @@ def test_native_path_reads_a_header_longer_than_its_first_read(tmp_path, fast_st
     flashrt.load_capsule(path, into=target)
     assert_same(cap, flashrt.load_capsule(path, into=target))
     assert fast_statuses == ["loaded"]
+
+
+def test_to_bytes_is_the_file_and_from_bytes_checks_every_byte(tmp_path):
+    cap = make_capsule(position=9, seed=3)
+    fmt.save(cap, tmp_path / "c.capsule")
+    b = fmt.to_bytes(cap)
+    assert b == (tmp_path / "c.capsule").read_bytes()
+    assert_same(cap, fmt.from_bytes(b))
+    rng = random.Random(0)
+    for i in [rng.randrange(8, len(b)) for _ in range(20)]:   # header and payload bytes alike
+        bad = bytearray(b)
+        bad[i] ^= 1 << rng.randrange(8)
+        with pytest.raises(CapsuleCorruptError):
+            fmt.from_bytes(bytes(bad), "value")
+    for n in (0, 7, 100, len(b) - 1):
+        with pytest.raises(CapsuleCorruptError):
+            fmt.from_bytes(b[:n])
+    with pytest.raises(CapsuleCorruptError, match="trailing"):
+        fmt.from_bytes(b + b"\0")
