@@ -12,10 +12,12 @@ Cluster hash tag, so one model's keys share a slot and every Lua script runs on 
 
 Longest-prefix lookup: per-boundary digest keys. A capsule holding tokens[:n] is indexed under
 i:<blake2b(tokens[:n] as int64)>. The sorted set `lens` holds the lengths that have an entry, so a
-lookup of T tokens reads the (at most 64) largest lengths <= T, hashes only those prefixes (one
-incremental pass) and MGETs their index keys: two round trips whatever the fleet holds, and no
-trie to keep consistent under concurrent writers. A digest is never trusted alone: the fetched
-capsule's own token history must equal tokens[:n].
+lookup of T tokens reads the 64 largest lengths <= T, hashes only those prefixes (one incremental
+pass) and MGETs their index keys: two round trips, and no trie to keep consistent under
+concurrent writers. Only when none of them is a prefix of this prompt does it read the next 64,
+up to max_lengths (256): a fleet holding more distinct lengths than that above a prompt's own can
+miss it (a miss, never a wrong hit). A digest is never trusted alone: the fetched capsule's own
+token history must equal tokens[:n].
 
 Values are the capsule file format (format.to_bytes) in chunks of chunk_bytes (one value may
 exceed Redis's 512 MB limit), uploaded under a fresh nonce, then made visible by one Lua script
@@ -59,6 +61,7 @@ from .types import FINGERPRINT_KEYS, Capsule
 log = logging.getLogger(__name__)
 _MAX_CHUNK = 512 * 1000 * 1000 - 1        # Redis's proto-max-bulk-len default is 512 MB
 _UPLOAD_TTL_MS = 600_000                  # chunks of an upload that never commits expire
+_PAGE = 64                                # prefix lengths read per lookup round trip
 
 
 class RedisTier:
@@ -67,7 +70,7 @@ class RedisTier:
     def __init__(self, client, namespace: str = "flashrt", ttl_s: float | None = 24 * 3600,
                  budget_bytes: int | None = None, chunk_bytes: int = 64 << 20,
                  queue_size: int = 64, failures: int = 2, open_s: float = 5.0,
-                 max_lengths: int = 64):
+                 max_lengths: int = 256):
         if not 1 <= chunk_bytes <= _MAX_CHUNK:
             raise ValueError(f"chunk_bytes must be in [1, {_MAX_CHUNK}] (Redis's 512 MB value limit), "
                              f"got {chunk_bytes}")
@@ -150,14 +153,7 @@ class RedisTier:
         """CapsuleStore.match's hook: a longer prefix from Redis, put into `store`'s local tiers."""
         if fingerprint is None:
             return cap, n
-
-        def have(cid):
-            key = store.key_of(cid)
-            try:
-                return store.get(key) if key is not None else None
-            except (KeyError, CapsuleCorruptError):
-                return None
-        got, m = self.lookup(tokens, fingerprint, n, have)
+        got, m = self.lookup(tokens, fingerprint, n, lambda cid: _held(store, cid))
         if got is None:
             return cap, n
         self._local.fetching = True
@@ -203,13 +199,17 @@ class RedisTier:
 
     # ---- internals: lookup ----------------------------------------------------------------
     def _lookup(self, P, tokens, fp, longer_than, have):
-        c = self.client
-        lens = [int(x) for x in c.zrevrangebyscore(P + "lens", len(tokens), longer_than + 1,
-                                                   start=0, num=self.max_lengths)]
-        if not lens:
-            return None
+        for start in range(0, self.max_lengths, _PAGE):      # longest lengths first, a page a trip
+            lens = [int(x) for x in self.client.zrevrangebyscore(
+                P + "lens", len(tokens), longer_than + 1, start=start, num=min(_PAGE, self.max_lengths - start))]
+            got = self._longest(P, tokens, fp, lens, have) if lens else None
+            if got is not None or len(lens) < _PAGE:
+                return got
+        return None
+
+    def _longest(self, P, tokens, fp, lens, have):
         dig = prefix_digests(tokens, lens)
-        ids = c.mget([P + "i:" + dig[n] for n in lens])
+        ids = self.client.mget([P + "i:" + dig[n] for n in lens])
         for n, cid in zip(lens, ids):
             if cid is None:
                 continue
@@ -308,6 +308,15 @@ class RedisTier:
         res = self._run("commit", P, [], json.dumps(meta), _now_ms(), self.ttl_ms, self.budget,
                         int(pin), int(force))
         return res.decode() if isinstance(res, bytes) else res
+
+
+def _held(store, cid: str) -> Capsule | None:
+    """The capsule `cid` (chain attached) if `store` holds it: ancestors are not fetched again."""
+    key = store.key_of(cid)
+    try:
+        return store.get(key) if key is not None else None
+    except (KeyError, CapsuleCorruptError):
+        return None
 
 
 def _now_ms() -> int:

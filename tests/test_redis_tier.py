@@ -379,3 +379,18 @@ def test_sentinel(rt, server, raw, tmp_path):
         t.close()
     finally:
         sentinel.kill()
+
+
+def test_lookup_reads_past_a_page_of_other_lengths(rt, tiers):
+    t = tiers()
+    a = rt()
+    t.publish(snap(a, T1))
+    a.reset()
+    a.prefill([2] * 40)
+    for _ in range(70):                      # 70 other conversations' lengths in 41..110
+        a.decode(3)
+        t.publish(a.snapshot())
+        assert t.flush()
+    query = T1 + [4] * 80
+    assert t.lookup(query, a.fingerprint)[1] == len(T1)           # found on the second page
+    assert tiers(max_lengths=64).lookup(query, a.fingerprint) == (None, 0)   # past the bound
