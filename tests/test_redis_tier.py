@@ -5,6 +5,7 @@ import json
 import shutil
 import socket
 import subprocess
+import sys
 import threading
 import time
 
@@ -88,15 +89,34 @@ def snap(m, tokens):
     return m.snapshot()
 
 
-def test_turn2_on_another_node(rt, tiers):
-    ta, tb = tiers(), tiers()
-    a, b, cold = rt(), rt(), rt()
-    sa, sb = CapsuleStore(host_bytes=1 << 30, shared=ta), CapsuleStore(host_bytes=1 << 30, shared=tb)
-    a.set_context(T1, store=sa)
-    turn1 = a.generate(max_new_tokens=6)
-    turn2 = T1 + list(turn1) + [5, 6, 7]
-    a.set_context(turn2, store=sa)                # stored as a delta over turn 1's capsule
-    assert ta.flush() and ta.stats()["published"] == 2
+NODE_A = """
+import json, sys
+import flashrt
+from flashrt.capsules.redis_tier import RedisTier
+from flashrt.capsules.store import CapsuleStore
+path, url, t1 = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+a = flashrt.load(path, max_seq_len=256, dtype="float32")
+tier = RedisTier.from_url(url)
+store = CapsuleStore(host_bytes=1 << 30, shared=tier)
+a.set_context(t1, store=store)
+turn2 = t1 + list(a.generate(max_new_tokens=6)) + [5, 6, 7]
+a.set_context(turn2, store=store)      # stored as a delta over turn 1's capsule
+assert tier.flush()
+print(json.dumps({"turn2": turn2, "stats": tier.stats()}))
+"""
+
+
+def test_turn2_on_another_node(ckpt, rt, server, tiers):
+    """Turn 1 and the turn-2 boundary on node A (another process), the next turn on node B."""
+    path = ckpt("qwen3_5")
+    out = subprocess.run([sys.executable, "-c", NODE_A, str(path), server.url, json.dumps(T1)],
+                         check=True, capture_output=True, text=True)
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    turn2 = res["turn2"]
+    assert res["stats"]["published"] == 2
+    tb = tiers()
+    b, cold = rt(), rt()
+    sb = CapsuleStore(host_bytes=1 << 30, shared=tb)
     prompt = turn2 + [11, 12]
     logits = b.set_context(prompt, store=sb)
     assert b.last_reused == len(turn2)            # the whole stored prefix, from node A
