@@ -244,6 +244,8 @@ class RedisTier:
         for m in reversed(metas):         # root first: each one's parent is attached
             cap = self._fetch_one(P, m, cid, digest)
             if cap is None:
+                if m["id"] != cid:        # a damaged ancestor: the child cannot be restored either
+                    self._run("drop", P, [], cid, digest)
                 return None
             cap.parent_capsule = parent
             parent = cap

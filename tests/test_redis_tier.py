@@ -414,3 +414,21 @@ def test_lookup_reads_past_a_page_of_other_lengths(rt, tiers):
     query = T1 + [4] * 80
     assert t.lookup(query, a.fingerprint)[1] == len(T1)           # found on the second page
     assert tiers(max_lengths=64).lookup(query, a.fingerprint) == (None, 0)   # past the bound
+
+
+def test_damaged_parent_refuses_the_chain(rt, tiers, raw):
+    t = tiers()
+    a = rt()
+    store = CapsuleStore(host_bytes=1 << 30, shared=t)
+    a.set_context(T1[:30], store=store)
+    a.set_context(T1, store=store)                            # a delta over the first capsule
+    assert t.flush() and t.stats()["published"] == 2
+    P = f"flashrt:{{{fingerprint_digest(a.fingerprint)}}}:"
+    parent = json.loads(raw.get(P + "m:" + next(k for k in store.keys() if store.get(k).position == 30)))
+    k = f"{P}c:{parent['id']}:{parent['u']}:0"
+    v = bytearray(raw.get(k))
+    v[-3] ^= 1
+    raw.set(k, bytes(v), keepttl=True)
+    fresh = tiers()
+    assert fresh.lookup(T1 + [1], a.fingerprint) == (None, 0)    # neither the child nor the parent
+    assert fresh.stats()["corrupt"] == 1 and not list(raw.scan_iter(P + "m:*"))
