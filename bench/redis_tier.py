@@ -84,7 +84,7 @@ def one_prefix(a, path, url, n):
         node_b.reset()              # a node that never saw this conversation, empty local store
         store = CapsuleStore(host_bytes=8 << 30, shared=tb)
         out = node_b.set_context(turn2, store=store, remember=False)
-        reused.append(node_b.last_reused)
+        reused.append(node_b.context_reused)
         return out
     cases = {"B: shared tier + prefill new tokens": C.Case(shared_turn2),
              "B: re-prefill everything": C.Case(lambda: (cold.reset(), cold.prefill(turn2))[1])}

@@ -119,7 +119,7 @@ def test_turn2_on_another_node(ckpt, rt, server, tiers):
     sb = CapsuleStore(host_bytes=1 << 30, shared=tb)
     prompt = turn2 + [11, 12]
     logits = b.set_context(prompt, store=sb)
-    assert b.last_reused == len(turn2)            # the whole stored prefix, from node A
+    assert b.context_reused == len(turn2)            # the whole stored prefix, from node A
     st = tb.stats()
     assert st["hits"] == 1 and st["corrupt"] == 0 and st["fetched_bytes"] > 0
     assert len(sb) >= 2                           # the chain now lives in B's local tiers
@@ -144,7 +144,7 @@ def test_other_fingerprints_see_nothing(rt, runtime, tiers, raw):
     for m, t in ((other, tb), (bf16, tc)):
         assert fingerprint_digest(m.fingerprint) != fingerprint_digest(a.fingerprint)
         m.set_context(T1 + [1], store=CapsuleStore(host_bytes=1 << 30, shared=t))
-        assert m.last_reused == 0 and t.stats()["hits"] == 0
+        assert m.context_reused == 0 and t.stats()["hits"] == 0
     assert t.lookup(T1, a.fingerprint)[1] == len(T1)         # the right model does see it
     fp = fingerprint_digest(a.fingerprint)
     assert [k.decode() for k in raw.scan_iter(f"flashrt:{{{fp}}}:m:*")] == [f"flashrt:{{{fp}}}:m:{cap.id}"]
@@ -169,7 +169,7 @@ def test_damaged_value_is_a_counted_miss(rt, tiers, raw, damage):
     else:
         raw.delete(k)
     logits = b.set_context(T1 + [3], store=CapsuleStore(host_bytes=1 << 30, shared=tb))
-    assert b.last_reused == 0                                 # never restored
+    assert b.context_reused == 0                                 # never restored
     assert tb.stats()["corrupt"] == 1 and tb.stats()["hits"] == 0
     assert not list(raw.scan_iter(P + "m:*"))                 # the damaged capsule is deleted
     assert not list(raw.scan_iter(P + "i:*"))
@@ -212,7 +212,7 @@ def test_redis_killed_mid_run(rt, tmp_path):
         for i in range(3):                  # serving continues locally: no exception reaches us
             a.set_context(T1 + [i + 1, 2], store=sa)
             b.set_context(T1 + [i + 1, 3], store=sb)
-            assert b.last_reused == 0
+            assert b.context_reused == 0
         assert ta.flush(timeout=10)
         sta, stb = ta.stats(), tb.stats()
         assert stb["breaker_opens"] >= 1 and stb["errors"] >= 2
@@ -224,7 +224,7 @@ def test_redis_killed_mid_run(rt, tmp_path):
         a.set_context(T1 + [9, 9, 9], store=sa)
         assert ta.flush()
         b.set_context(T1 + [9, 9, 9, 4], store=sb)
-        assert b.last_reused == len(T1) + 3 and tb.stats()["hits"] == 1
+        assert b.context_reused == len(T1) + 3 and tb.stats()["hits"] == 1
         # a server that stops answering: socket_timeout bounds the first calls, then the breaker
         slow = RedisTier.from_url(srv.url, client_opts={"socket_timeout": 0.2}, failures=2, open_s=30)
         assert slow.lookup(T1, a.fingerprint)[1] == len(T1)           # connected
