@@ -25,3 +25,14 @@ def test_capsules_bench_quick(tmp_path):
             assert row["state_bytes"] == res["fixed_state_bytes"] + row["position"] * res["per_token_bytes"]
             for ratio in (*row["device_ratio"].values(), *row["disk_ratio"].values()):
                 assert ratio is not None and ratio > 0
+
+
+def test_redis_bench_quick(tmp_path):
+    """bench/redis_tier.py end to end: node B reuses the whole turn 1 from Redis, cold-equal."""
+    out = tmp_path / "redis_tier.json"
+    r = subprocess.run([sys.executable, "bench/redis_tier.py", "--quick", "--no-progress", "--out", str(out)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    for run in json.loads(out.read_text())["data"]["runs"]:
+        assert set(run["reused"]) == {run["prefix"]}           # every timed turn 2 hit Redis
+        assert run["max_dlogit_vs_cold"] < 1e-4
