@@ -73,7 +73,9 @@ local function forget(id)
       redis.call('ZREM', P .. 'lens', m.n)
     end
   end
-  if m.p ~= '' and redis.call('HINCRBY', P .. 'kids', m.p, -1) <= 0 then redis.call('HDEL', P .. 'kids', m.p) end
+  if m.p ~= '' and redis.call('HINCRBY', P .. 'kids', m.p, -1) <= 0 then
+    redis.call('HDEL', P .. 'kids', m.p)
+  end
   redis.call('HDEL', P .. 'info', id)
   redis.call('SREM', P .. 'pins', id)
   redis.call('DECRBY', P .. 'bytes', m.b)
@@ -100,12 +102,15 @@ local function reconcile(now, ttl)
     if redis.call('EXISTS', P .. 'm:' .. id) == 0 then forget(id) end
   end
 end
-local function over(budget) return budget >= 0 and tonumber(redis.call('GET', P .. 'bytes') or '0') > budget end
+local function over(budget)
+  return budget >= 0 and tonumber(redis.call('GET', P .. 'bytes') or '0') > budget
+end
 -- least recently used first; never pinned capsules or parents of stored children
 local function evict(budget)
   if not over(budget) then return end
   for _, id in ipairs(redis.call('ZRANGE', P .. 'lru', 0, 4095)) do
-    if redis.call('SISMEMBER', P .. 'pins', id) == 0 and tonumber(redis.call('HGET', P .. 'kids', id) or '0') <= 0 then
+    local kids = tonumber(redis.call('HGET', P .. 'kids', id) or '0')
+    if redis.call('SISMEMBER', P .. 'pins', id) == 0 and kids <= 0 then
       forget(id)
       if not over(budget) then return end
     end

@@ -51,7 +51,7 @@ import secrets
 import threading
 import time
 
-from flashrt.errors import CapsuleCorruptError
+from flashrt.errors import CapsuleCorruptError, CapsuleError
 
 from . import format as _fmt
 from . import redis_conn as _conn
@@ -160,7 +160,7 @@ class RedisTier:
         try:
             key = store.put(got)
             return store.get(key), m
-        except (ValueError, KeyError) as e:      # too large for the local tiers: use it once
+        except (ValueError, KeyError, CapsuleError) as e:   # e.g. too large for the local tiers: use it once
             log.info("redis tier: fetched capsule %s not kept locally: %s", got.id, e)
             return got, m
         finally:
@@ -187,7 +187,7 @@ class RedisTier:
             self._count("errors")
             log.warning("redis tier: %s: %s (serving continues locally)", type(e).__name__, e)
             return default
-        except redis.RedisError as e:
+        except (redis.RedisError, ValueError, KeyError, TypeError) as e:   # e.g. foreign keys
             self._count("errors")
             log.warning("redis tier: %s: %s", type(e).__name__, e)
             return default
@@ -200,8 +200,9 @@ class RedisTier:
     # ---- internals: lookup ----------------------------------------------------------------
     def _lookup(self, P, tokens, fp, longer_than, have):
         for start in range(0, self.max_lengths, _PAGE):      # longest lengths first, a page a trip
+            num = min(_PAGE, self.max_lengths - start)
             lens = [int(x) for x in self.client.zrevrangebyscore(
-                P + "lens", len(tokens), longer_than + 1, start=start, num=min(_PAGE, self.max_lengths - start))]
+                P + "lens", len(tokens), longer_than + 1, start=start, num=num)]
             got = self._longest(P, tokens, fp, lens, have) if lens else None
             if got is not None or len(lens) < _PAGE:
                 return got
