@@ -251,7 +251,7 @@ class Model(StatefulModel):
         specs += [BufferSpec(f"expert.{i}.{n}", "kv", kv, dtype, seq_dim=0)
                   for i in range(c.vlm_layers) if not self.is_self(i) for n in ("k", "v")]
         return specs + [
-            BufferSpec("prefix.mask", "meta", (capacity,), torch.bool),  # valid prefix rows
+            BufferSpec("prefix.mask", "meta", (capacity,), torch.uint8),  # valid prefix rows
             BufferSpec("prefix.len", "meta", (1,), i64),                 # rows written
             BufferSpec("actions.queue", "recurrent", (c.n_action_steps, c.action_dim), torch.float32),
             BufferSpec("actions.head", "meta", (1,), i64),    # next queue row to hand out
@@ -340,7 +340,7 @@ class Model(StatefulModel):
         """Euler from t=1 (noise) to t=0 in num_steps; noise (chunk, max_action_dim) fp32."""
         c = self.config
         L = int(state["prefix.len"])
-        valid = state["prefix.mask"][:L]
+        valid = state["prefix.mask"][:L].bool()
         T, dev = c.chunk_size, noise.device
         causal = torch.ones(T, T, dtype=torch.bool, device=dev).tril()
         m_cross = valid[None].expand(T, L)
