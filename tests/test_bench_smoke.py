@@ -25,3 +25,17 @@ def test_capsules_bench_quick(tmp_path):
             assert row["state_bytes"] == res["fixed_state_bytes"] + row["position"] * res["per_token_bytes"]
             for ratio in (*row["device_ratio"].values(), *row["disk_ratio"].values()):
                 assert ratio is not None and ratio > 0
+
+
+def test_policy_bench_quick(tmp_path):
+    """bench/policy.py end to end on the tiny SmolVLA without the LeRobot venv (its column is
+    skipped with a note: CI has no LeRobot venv). Timings are not asserted, only recorded."""
+    out = tmp_path / "policy.json"
+    r = subprocess.run([sys.executable, "bench/policy.py", "--quick", "--no-progress", "--out", str(out),
+                        "--lerobot-python", ""], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "LeRobot column skipped" in r.stdout and "random weights" in r.stdout
+    d = json.loads(out.read_text())["data"]
+    for k in ("vision", "prefix", "denoise", "chunk", "control", "reset", "reset_zero", "rebuild"):
+        assert d["flashrt"][k]["n"] == 1 and d["flashrt"][k]["median_ms"] > 0, k
+    assert d["lerobot"] == {} and d["max_abs_diff"] is None
