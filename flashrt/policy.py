@@ -86,6 +86,14 @@ def check_contract(net, dtype: torch.dtype) -> None:
         raise ValueError(f"{type(net).__name__} does not declare the policy buffers: {'; '.join(gaps)}")
 
 
+def _check_tensor(what: str, t, shape: tuple) -> None:
+    if not isinstance(t, torch.Tensor) or not t.is_floating_point() or tuple(t.shape) != shape:
+        got = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+        raise ValueError(f"{what}: expected a float tensor of shape {shape}, got {got}")
+    if not bool(torch.isfinite(t).all()):
+        raise ValueError(f"{what}: has non-finite values (NaN or inf)")
+
+
 class Policy:
     """A policy session (batch 1) over a policy model's weights; forks share the weights.
     fingerprint: a flashrt.loader.LoadedModel's when loaded from disk; default: computed."""
@@ -124,30 +132,19 @@ class Policy:
     def _prepare(self, obs: dict, noise) -> dict:
         """forward's inputs; every refusal happens here, before any state is written."""
         if self.processor is not None:
-            inputs = self.processor.preprocess(obs)
-            self._check({}, noise, {})
-            return dict(inputs, **self._inputs({}, noise, {}))
-        self._check(obs, noise, self.net.obs_shapes)
-        return self._inputs(obs, noise, self.net.obs_shapes)
-
-    def _check(self, obs: dict, noise, want: dict) -> None:
-        if not isinstance(obs, dict) or set(obs) != set(want):
-            got = sorted(obs, key=str) if isinstance(obs, dict) else type(obs).__name__
-            raise ValueError(f"observation: expected a dict with keys {sorted(want)}, got {got}")
-        named = [(f"observation {k!r}", obs[k], tuple(s)) for k, s in want.items()]
-        for what, t, shape in named + ([("noise", noise, tuple(self.net.noise_shape))]
-                                       if noise is not None else []):
-            if not isinstance(t, torch.Tensor) or not t.is_floating_point() or tuple(t.shape) != shape:
-                got = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
-                raise ValueError(f"{what}: expected a float tensor of shape {shape}, got {got}")
-            if not bool(torch.isfinite(t).all()):
-                raise ValueError(f"{what}: has non-finite values (NaN or inf)")
-
-    def _inputs(self, obs: dict, noise, want: dict) -> dict:
-        out = {k: obs[k].to(self.device, self.dtype) for k in want}
+            inputs = dict(self.processor.preprocess(obs))     # raw obs: the processor checks
+        else:
+            want = self.net.obs_shapes
+            if not isinstance(obs, dict) or set(obs) != set(want):
+                got = sorted(obs, key=str) if isinstance(obs, dict) else type(obs).__name__
+                raise ValueError(f"observation: expected a dict with keys {sorted(want)}, got {got}")
+            for k, shape in want.items():
+                _check_tensor(f"observation {k!r}", obs[k], tuple(shape))
+            inputs = {k: obs[k].to(self.device, self.dtype) for k in want}
         if noise is not None:
-            out["noise"] = noise.to(self.device, torch.float32)
-        return out
+            _check_tensor("noise", noise, tuple(self.net.noise_shape))
+            inputs["noise"] = noise.to(self.device, torch.float32)
+        return inputs
 
     def _post(self, actions: torch.Tensor) -> torch.Tensor:
         return actions if self.processor is None else self.processor.postprocess(actions)
