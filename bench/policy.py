@@ -18,6 +18,7 @@ an empty queue (one chunk, the rest from the queue). Reset: flashrt restores the
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -39,8 +40,8 @@ def parse(argv):
     p.add_argument("--size", default=None, help="real (default) | small | tiny (--quick: tiny)")
     p.add_argument("--lerobot-python", default=str(LEROBOT_PY),
                    help="python of a LeRobot venv ('' or missing: skip the LeRobot column)")
-    p.add_argument("--worker", default=None, help=argparse_hidden())
-    p.add_argument("--inputs", default=None, help=argparse_hidden())
+    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)    # inside LeRobot's venv
+    p.add_argument("--inputs", default=None, help=argparse.SUPPRESS)
     p.add_argument("--ckpt", default=None, help="policy directory (default: a cached random one)")
     a = p.parse_args(argv)
     a.threads = a.threads or 2
@@ -55,11 +56,6 @@ def parse(argv):
         return a
     C.setup(a)
     return a
-
-
-def argparse_hidden():
-    import argparse
-    return argparse.SUPPRESS
 
 
 def policy_dir(size: str) -> Path:
@@ -262,7 +258,7 @@ def main(argv=None) -> int:
     hz = lambda s: n / s.median  # noqa: E731
     t.add(f"control rate, {n} select_action from empty queue (Hz)", f"{hz(fl['control']):.1f}",
           f"{hz(L['control']):.1f}" if "control" in L else "-",
-          C.fmt_ratio(C.ratio(fl["control"], L.get("control"))))
+          C.fmt_ratio(C.ratio(L.get("control"), fl["control"])))
     t.add("episode reset: restore start capsule", fl["reset"].ms(3), "-", "-")
     t.add("episode reset: reset() (zero the state)", fl["reset_zero"].ms(3),
           L["reset"].ms(3) if "reset" in L else "-", "-")
