@@ -3,8 +3,8 @@ num_vlm_layers Llama layers) and an action expert that denoises a chunk by flow 
 
 Order: config -> layers -> block -> model -> weight-name mapping (same in every model file).
 Batch 1 (a robot loop). All state is named buffers (`state_specs`) handed in as `state`
-(name -> tensor) and written in place, per flashrt/policy.py's contract (which owns the queue). Numerics follow lerobot/policies/smolvla (its RoPE
-with base 10000, eager attention with fp32 scores).
+(name -> tensor) and written in place, per flashrt/policy.py's contract (which owns the
+queue). Numerics follow lerobot/policies/smolvla (RoPE base 10000, fp32 attention scores).
 """
 from __future__ import annotations
 
