@@ -64,10 +64,11 @@ def policy_dir(size: str) -> Path:
     d = Path.home() / ".cache" / "flashrt" / "checkpoints" / f"smolvla-{size}-seed0"
     if not (d / "flashrt_checkpoint.json").exists():
         print(f"making random-weight SmolVLA {size} (once; cached in {d.parent}) ...", flush=True)
-        tmp = Path(tempfile.mkdtemp(dir=d.parent if d.parent.exists() else None))
-        make_checkpoint("smolvla", size, tmp / "p", seed=0)
         d.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=d.parent))      # same filesystem: the rename is atomic
+        make_checkpoint("smolvla", size, tmp / "p", seed=0)
         os.replace(tmp / "p", d)
+        tmp.rmdir()
     return d
 
 
