@@ -45,6 +45,13 @@ def load(path, device="cpu", dtype=None, max_seq_len: int = 4096, cuda_graphs: b
     return LanguageModel(model, opts, pool=pool)
 
 
+def load_policy(path, device="cpu", dtype=None, seed: int = 0):
+    """Load a LeRobot policy directory (SmolVLA) as a flashrt.policy.Policy: select_action(obs)
+    on raw observations, predict_action_chunk, reset, snapshot / restore / fork."""
+    from .policy import load_policy as _load_policy
+    return _load_policy(path, device=device, dtype=dtype, seed=seed)
+
+
 def __getattr__(name):
     # Lazy: importing flashrt stays cheap and free of torch work until used.
     if name in ("Runtime", "LanguageModel"):
@@ -59,6 +66,6 @@ def __getattr__(name):
     raise AttributeError(f"module 'flashrt' has no attribute {name!r}")
 
 
-__all__ = ["load", "Runtime", "LanguageModel", "Session", "Capsule", "save_capsule", "load_capsule", "FlashRTError", "ArenaError", "ConfigError", "WeightError",
+__all__ = ["load", "load_policy", "Runtime", "LanguageModel", "Session", "Capsule", "save_capsule", "load_capsule", "FlashRTError", "ArenaError", "ConfigError", "WeightError",
            "CapsuleError", "CapsuleMismatchError", "CapsuleCorruptError", "CapsuleConsumedError",
            "__version__"]

@@ -125,8 +125,9 @@ def main(argv=None) -> int:
     from flashrt.serve.server import parser as serve_parser
     serve_parser(s)
     s.set_defaults(fn=cmd_serve)
-    b = sub.add_parser("bench", help="run a benchmark: ttft | capsules | ablation | models | serve | redis")
-    b.add_argument("which", choices=["ttft", "capsules", "ablation", "models", "serve", "redis"])
+    b = sub.add_parser("bench", help="run a benchmark: ttft | capsules | ablation | models | serve | redis | "
+                                     "policy")
+    b.add_argument("which", choices=["ttft", "capsules", "ablation", "models", "serve", "redis", "policy"])
     b.add_argument("rest", nargs=argparse.REMAINDER)
     b.set_defaults(fn=cmd_bench)
     args = ap.parse_args(argv)

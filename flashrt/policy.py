@@ -10,7 +10,8 @@ smallest, a SmolVLA or pi0 file follows the same):
   attributes
     prefix_len     rows of prefix K/V one chunk writes (the session's capacity)
     obs_shapes     {name: shape} of one observation, batch 1 without a batch dim
-    noise_shape    (chunk_size, action_dim) of the flow-matching noise
+    noise_shape    (chunk_size, noise_dim) of the flow-matching noise
+    action_dim     (optional; default noise_dim) action width: SmolVLA and pi0 pad noise to 32
     model_type, config (a dataclass)   what the default fingerprint digests, with the weights
   state_specs(capacity, dtype) declares, besides its own buffers (prefix K/V: per-token rows
   [0, prefix_len), kind kv, rewritten at every chunk):
@@ -24,6 +25,11 @@ smallest, a SmolVLA or pi0 file follows the same):
   prefix rows, denoises (drawing noise from noise.rng unless "noise" is given) and returns
   {"actions": (chunk_size, action_dim)}. It never touches the queue buffers: this layer does.
 The session's position is the count of valid prefix rows: 0 after reset, prefix_len after a chunk.
+
+A processor (optional; LeRobot's pre/postprocessor, e.g. models/smolvla_processor.py) takes raw
+observations instead: preprocess(obs) -> forward's inputs, refusing bad input before any state
+is written; postprocess(actions) -> robot units, applied to what select_action and
+predict_action_chunk return (the queue holds the model's actions, as LeRobot's does).
 """
 from __future__ import annotations
 
@@ -31,12 +37,14 @@ import hashlib
 import json
 import threading
 from dataclasses import asdict
+from pathlib import Path
 
 import torch
 
 from flashrt.arena import CAPSULE_KINDS
 from flashrt.capsules.types import Capsule
-from flashrt.loader import weights_digest
+from flashrt.errors import ConfigError
+from flashrt.loader import resolve_dtype, weights_digest
 from flashrt.sampler import seed_rng
 from flashrt.session import Session, SessionOptions
 
@@ -54,6 +62,10 @@ def fingerprint_of(net, dtype: torch.dtype) -> dict:
             "weights": weights_digest(params), "dtype": str(dtype).replace("torch.", "")}
 
 
+def action_dim(net) -> int:
+    return getattr(net, "action_dim", net.noise_shape[1])
+
+
 def check_contract(net, dtype: torch.dtype) -> None:
     """Refuse a model that does not declare what this layer needs, naming each gap."""
     gaps = [f"attribute {a!r}" for a in ("prefix_len", "obs_shapes", "noise_shape")
@@ -65,13 +77,21 @@ def check_contract(net, dtype: torch.dtype) -> None:
         s = specs.get(name)
         if s is None or (s.kind, tuple(s.shape), s.dtype) != (kind, shape, dt):
             gaps.append(f"{name} ({kind}, {shape}, {dt})")
-    q = specs.get("actions.queue")
+    q, width = specs.get("actions.queue"), action_dim(net)
     if q is None or q.kind not in CAPSULE_KINDS or q.seq_dim is not None or q.dtype != torch.float32 \
-            or len(q.shape) != 2 or q.shape[1] != net.noise_shape[1] or q.shape[0] > net.noise_shape[0]:
+            or len(q.shape) != 2 or q.shape[1] != width or q.shape[0] > net.noise_shape[0]:
         gaps.append(f"actions.queue (fixed capsule kind, (n <= {net.noise_shape[0]}, "
-                    f"{net.noise_shape[1]}), float32)")
+                    f"{width}), float32)")
     if gaps:
         raise ValueError(f"{type(net).__name__} does not declare the policy buffers: {'; '.join(gaps)}")
+
+
+def _check_tensor(what: str, t, shape: tuple) -> None:
+    if not isinstance(t, torch.Tensor) or not t.is_floating_point() or tuple(t.shape) != shape:
+        got = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+        raise ValueError(f"{what}: expected a float tensor of shape {shape}, got {got}")
+    if not bool(torch.isfinite(t).all()):
+        raise ValueError(f"{what}: has non-finite values (NaN or inf)")
 
 
 class Policy:
@@ -79,9 +99,10 @@ class Policy:
     fingerprint: a flashrt.loader.LoadedModel's when loaded from disk; default: computed."""
 
     def __init__(self, net, fingerprint: dict | None = None, seed: int = 0,
-                 provenance: dict | None = None):
+                 provenance: dict | None = None, processor=None):
         p = next(net.parameters())
         self.net, self.device, self.dtype, self._prov = net, p.device, p.dtype, provenance
+        self.processor = processor
         check_contract(net, self.dtype)
         self._fp = fingerprint if fingerprint is not None else fingerprint_of(net, self.dtype)
         n = net.prefix_len           # no rollback checkpoints: a chunk rewrites every prefix row
@@ -108,30 +129,28 @@ class Policy:
         return int(self.arena["step"])
 
     # ---- inputs -------------------------------------------------------------------------
-    def _check(self, obs: dict, noise) -> None:
-        """Every refusal happens here, before any state is written."""
-        want = self.net.obs_shapes
-        if not isinstance(obs, dict) or set(obs) != set(want):
-            got = sorted(obs, key=str) if isinstance(obs, dict) else type(obs).__name__
-            raise ValueError(f"observation: expected a dict with keys {sorted(want)}, got {got}")
-        named = [(f"observation {k!r}", obs[k], tuple(s)) for k, s in want.items()]
-        for what, t, shape in named + ([("noise", noise, tuple(self.net.noise_shape))]
-                                       if noise is not None else []):
-            if not isinstance(t, torch.Tensor) or not t.is_floating_point() or tuple(t.shape) != shape:
-                got = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
-                raise ValueError(f"{what}: expected a float tensor of shape {shape}, got {got}")
-            if not bool(torch.isfinite(t).all()):
-                raise ValueError(f"{what}: has non-finite values (NaN or inf)")
-
-    def _inputs(self, obs: dict, noise) -> dict:
-        out = {k: obs[k].to(self.device, self.dtype) for k in self.net.obs_shapes}
+    def _prepare(self, obs: dict, noise) -> dict:
+        """forward's inputs; every refusal happens here, before any state is written."""
+        if self.processor is not None:
+            inputs = dict(self.processor.preprocess(obs))     # raw obs: the processor checks
+        else:
+            want = self.net.obs_shapes
+            if not isinstance(obs, dict) or set(obs) != set(want):
+                got = sorted(obs, key=str) if isinstance(obs, dict) else type(obs).__name__
+                raise ValueError(f"observation: expected a dict with keys {sorted(want)}, got {got}")
+            for k, shape in want.items():
+                _check_tensor(f"observation {k!r}", obs[k], tuple(shape))
+            inputs = {k: obs[k].to(self.device, self.dtype) for k in want}
         if noise is not None:
-            out["noise"] = noise.to(self.device, torch.float32)
-        return out
+            _check_tensor("noise", noise, tuple(self.net.noise_shape))
+            inputs["noise"] = noise.to(self.device, torch.float32)
+        return inputs
 
-    def _chunk(self, obs: dict, noise) -> torch.Tensor:
-        """Rewrite the prefix rows from obs, denoise; the chunk as the model returns it."""
-        inputs = self._inputs(obs, noise)
+    def _post(self, actions: torch.Tensor) -> torch.Tensor:
+        return actions if self.processor is None else self.processor.postprocess(actions)
+
+    def _chunk(self, inputs: dict) -> torch.Tensor:
+        """Rewrite the prefix rows from inputs, denoise; the chunk as the model returns it."""
         self.session.adopt(0)       # this chunk's prefix overwrites rows [0, prefix_len)
         out = self.session.step(self.net.prefix_len, lambda ctx: self.net(inputs, ctx, self.arena))
         return out["actions"]
@@ -142,27 +161,27 @@ class Policy:
         """A fresh chunk (chunk_size, action_dim) float32 for obs; the queue is left as it is.
         noise=None draws it from the arena's RNG (advancing it); given noise draws nothing."""
         with self._lock:
-            self._check(obs, noise)
-            return self._chunk(obs, noise).float().clone()
+            inputs = self._prepare(obs, noise)
+            return self._post(self._chunk(inputs).float().clone())
 
     @torch.no_grad()
     def select_action(self, obs: dict, noise: torch.Tensor | None = None) -> torch.Tensor:
         """The next queued action (action_dim,) float32; an empty queue first runs a chunk
         and queues its first n_action_steps rows. obs is checked even when not needed."""
         with self._lock:
-            self._check(obs, noise)
+            inputs = self._prepare(obs, noise)
             a = self.arena
             head = int(a["actions.head"])
             if head >= int(a["actions.count"]):
                 q = a["actions.queue"]
-                q.copy_(self._chunk(obs, noise)[: q.shape[0]])
+                q.copy_(self._chunk(inputs)[: q.shape[0]])
                 a["actions.count"].fill_(q.shape[0])
                 a["actions.head"].zero_()
                 head = 0
             action = a["actions.queue"][head].clone()
             a["actions.head"].add_(1)
             a["step"].add_(1)
-            return action
+            return self._post(action)
 
     def seed(self, seed: int) -> None:
         """Restart the noise stream at `seed` (counter 0)."""
@@ -196,8 +215,22 @@ class Policy:
         restarts its noise stream (the queued actions it inherited stay as they are)."""
         with self._lock:
             src = cap if cap is not None else self.snapshot()
-            child = Policy(self.net, self._fp, provenance=self._prov)
+            child = Policy(self.net, self._fp, provenance=self._prov, processor=self.processor)
             child.restore(src)
             if seed is not None:
                 child.seed(seed)
             return child
+
+
+def load_policy(path, device="cpu", dtype=None, seed: int = 0) -> Policy:
+    """A LeRobot policy directory (config.json, model.safetensors, processor files) -> a
+    Policy over raw LeRobot observations that returns unnormalised actions. dtype None: float32 on CPU."""
+    path, device = Path(path), torch.device(device)
+    if not (path / "config.json").exists():
+        raise FileNotFoundError(f"{path}: no config.json (expected a LeRobot policy directory)")
+    kind = json.loads((path / "config.json").read_text()).get("type")
+    if kind != "smolvla":
+        raise ConfigError(f"{path}: policy type {kind!r} is not supported (supported: 'smolvla')")
+    from flashrt.models.smolvla_processor import load
+    net, proc = load(path, device=device, dtype=resolve_dtype(dtype, device, None))
+    return Policy(net, seed=seed, provenance={"path": str(path)}, processor=proc)

@@ -3,8 +3,8 @@ num_vlm_layers Llama layers) and an action expert that denoises a chunk by flow 
 
 Order: config -> layers -> block -> model -> weight-name mapping (same in every model file).
 Batch 1 (a robot loop). All state is named buffers (`state_specs`) handed in as `state`
-(name -> tensor) and written in place. Numerics follow lerobot/policies/smolvla (its RoPE
-with base 10000, eager attention with fp32 scores).
+(name -> tensor) and written in place, per flashrt/policy.py's contract (which owns the
+queue). Numerics follow lerobot/policies/smolvla (RoPE base 10000, fp32 attention scores).
 """
 from __future__ import annotations
 
@@ -16,8 +16,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from flashrt.arena import BufferSpec
-from flashrt.layers import Linear, RMSNorm, SwiGLU
+from flashrt.layers import Linear, RMSNorm, StepCtx, SwiGLU
 from flashrt.modeling import check, require
+from flashrt.protocol import InputSpec, StatefulModel
+from flashrt.sampler import normal
 
 
 # ---- config -------------------------------------------------------------------------------
@@ -213,12 +215,16 @@ class Block(nn.Module):
 
 
 # ---- model --------------------------------------------------------------------------------
-class Model(nn.Module):
+class Model(StatefulModel):
     model_type = "smolvla"
 
     def __init__(self, c: SmolVLAConfig):
         super().__init__()
         self.config = c
+        # the policy contract: prefix rows per chunk, raw observation shapes, padded noise
+        self.prefix_len, self.action_dim = c.prefix_capacity, c.action_dim
+        self.obs_shapes = dict(c.cameras, **{"observation.state": (c.state_dim,)})
+        self.noise_shape = (c.chunk_size, c.max_action_dim)
         self.vision_model = VisionTower(c)
         self.connector = Connector(c)
         self.embed_tokens = nn.Embedding(c.vocab, c.hidden)
@@ -237,23 +243,30 @@ class Model(nn.Module):
         """Expert layer i attends over prefix + suffix (else: cross-attention to the prefix)."""
         return self.config.sa_every > 0 and i % self.config.sa_every == 0
 
-    def state_specs(self, dtype: torch.dtype) -> list[BufferSpec]:
-        c = self.config
-        kv = (c.prefix_capacity, c.kv_heads, c.head_dim)
+    def state_specs(self, capacity: int, dtype: torch.dtype) -> list[BufferSpec]:
+        c, i64 = self.config, torch.int64
+        kv = (capacity, c.kv_heads, c.head_dim)
         specs = [BufferSpec(f"prefix.{i}.{n}", "kv", kv, dtype, seq_dim=0)
                  for i in range(c.vlm_layers) for n in ("k", "v")]
         specs += [BufferSpec(f"expert.{i}.{n}", "kv", kv, dtype, seq_dim=0)
                   for i in range(c.vlm_layers) if not self.is_self(i) for n in ("k", "v")]
-        i64 = torch.int64
         return specs + [
-            BufferSpec("prefix.mask", "meta", (c.prefix_capacity,), torch.bool),  # valid prefix rows
-            BufferSpec("prefix.len", "meta", (1,), i64),                          # rows written
+            BufferSpec("prefix.mask", "meta", (capacity,), torch.uint8),  # valid prefix rows
+            BufferSpec("prefix.len", "meta", (1,), i64),                 # rows written
             BufferSpec("actions.queue", "recurrent", (c.n_action_steps, c.action_dim), torch.float32),
             BufferSpec("actions.head", "meta", (1,), i64),    # next queue row to hand out
             BufferSpec("actions.count", "meta", (1,), i64),   # rows filled; head == count: empty
-            BufferSpec("noise.rng", "rng", (2,), i64),        # (seed, chunks drawn)
+            BufferSpec("noise.rng", "rng", (2,), i64),        # flashrt.sampler's [seed, counter]
             BufferSpec("step", "meta", (1,), i64),            # control steps since reset
             BufferSpec("denoise.x", "scratch", (c.chunk_size, c.max_action_dim), torch.float32)]
+
+    def input_specs(self, dtype: torch.dtype) -> list[InputSpec]:
+        c = self.config        # what Processor.preprocess returns, plus optional noise
+        return [InputSpec("pixels", (3, c.image_size, c.image_size), torch.float32, "cams, in [-1, 1]"),
+                InputSpec("tokens", (), torch.int64, "task tokens"),
+                InputSpec("token_mask", (), torch.bool, "valid tokens"),
+                InputSpec("state", (c.max_state_dim,), torch.float32, "normalised, padded"),
+                InputSpec("noise", (c.max_action_dim,), torch.float32, "chunk_size rows")]
 
     # -- prefix: images, task, state -> K/V of every layer, once per chunk ---------------
     def embed_images(self, pixels: torch.Tensor) -> torch.Tensor:
@@ -327,7 +340,7 @@ class Model(nn.Module):
         """Euler from t=1 (noise) to t=0 in num_steps; noise (chunk, max_action_dim) fp32."""
         c = self.config
         L = int(state["prefix.len"])
-        valid = state["prefix.mask"][:L]
+        valid = state["prefix.mask"][:L].bool()
         T, dev = c.chunk_size, noise.device
         causal = torch.ones(T, T, dtype=torch.bool, device=dev).tril()
         m_cross = valid[None].expand(T, L)
@@ -341,33 +354,20 @@ class Model(nn.Module):
         return x
 
     # -- the policy step -------------------------------------------------------------------
-    def draw_noise(self, state) -> torch.Tensor:
-        """Noise for the next chunk from the rng buffer (seed, counter): forks keep their stream."""
+    def forward(self, inputs: dict, ctx: StepCtx, state, all_positions: bool = False) -> dict:
+        """One chunk from processor outputs (+ optional "noise" (chunk, max_action_dim); else
+        drawn from noise.rng): prefix rows [0, L <= ctx.end) rewritten, then flow matching.
+        Returns {"actions": (chunk_size, action_dim)} normalised."""
         c = self.config
-        seed, counter = (int(v) for v in state["noise.rng"])
-        g = torch.Generator().manual_seed((seed * 1_000_003 + counter) % (2 ** 63))
-        state["noise.rng"][1] += 1
-        return torch.randn(c.chunk_size, c.max_action_dim, generator=g)
-
-    def predict_chunk(self, inputs: dict, state, noise=None) -> torch.Tensor:
-        """inputs from the processor -> normalised actions (chunk, action_dim)."""
-        noise = self.draw_noise(state) if noise is None else noise
-        self.fill_prefix(self.embed_images(inputs["pixels"]), inputs["tokens"], inputs["token_mask"],
-                         inputs["state"], state)
-        x = self.denoise(noise.reshape(self.config.chunk_size, -1).float(), state)
-        return x[:, :self.config.action_dim]
-
-    def select_action(self, inputs: dict, state, noise=None) -> torch.Tensor:
-        """One normalised action (action_dim,); a new chunk only when the queue is empty."""
-        c, head, count = self.config, state["actions.head"], state["actions.count"]
-        if int(head) >= int(count):
-            state["actions.queue"].copy_(self.predict_chunk(inputs, state, noise)[:c.n_action_steps])
-            head.zero_()
-            count.fill_(c.n_action_steps)
-        a = state["actions.queue"][int(head)].clone()
-        head.add_(1)
-        state["step"].add_(1)
-        return a
+        L = inputs["pixels"].shape[0] * c.image_tokens + inputs["tokens"].shape[0] + 1
+        if L > ctx.end:       # the processor truncates the task: only a foreign caller gets here
+            raise ValueError(f"smolvla: a prefix of {L} rows exceeds the {ctx.end} given")
+        noise = inputs.get("noise")
+        noise = normal(state["noise.rng"], self.noise_shape) if noise is None else noise
+        img = self.embed_images(inputs["pixels"])
+        self.fill_prefix(img, inputs["tokens"], inputs["token_mask"], inputs["state"], state)
+        x = self.denoise(noise.reshape(c.chunk_size, -1).float(), state)
+        return {"actions": x[:, :c.action_dim]}
 
     # ---- weight-name mapping ----------------------------------------------------------
     _PREFIXES = (("model.vlm_with_expert.vlm.model.text_model.layers.", "layers."),

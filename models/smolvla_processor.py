@@ -49,6 +49,11 @@ def _stats(path: Path, step: dict, key: str, mode: str):
         return f.get_tensor(f"{key}.mean").float(), f.get_tensor(f"{key}.std").float()
 
 
+def _finite(key: str, t: torch.Tensor) -> None:
+    if not bool(torch.isfinite(t).all()):
+        raise ValueError(f"{key}: has non-finite values (NaN or inf)")
+
+
 class Processor:
     """Raw LeRobot observation dict -> model inputs; normalised action -> robot action."""
 
@@ -87,7 +92,10 @@ class Processor:
         return torch.tensor(ids, dtype=torch.long, device=self.device), mask.to(self.device)
 
     def preprocess(self, obs: dict) -> dict:
+        """Pure: a bad observation raises (naming the key and what was expected), nothing else."""
         c = self.config
+        if not isinstance(obs, dict):
+            raise TypeError(f"observation: {type(obs).__name__}, expected a dict")
         missing = [k for k, _ in c.cameras if k not in obs] + \
             [k for k in ("observation.state", "task") if k not in obs]
         if missing:
@@ -99,10 +107,12 @@ class Processor:
             img = img[None] if img.dim() == 3 else img
             if img.dim() != 4 or img.shape[0] != 1 or img.shape[1] != 3:
                 raise ValueError(f"{key}: shape {tuple(img.shape)}, expected (3, H, W) or (1, 3, H, W)")
+            _finite(key, img)
             pixels.append(resize_with_pad(img, c.image_size, c.image_size) * 2.0 - 1.0)
         state = torch.as_tensor(obs["observation.state"], device=self.device).float().reshape(-1)
         if state.numel() != c.state_dim:
             raise ValueError(f"observation.state: {state.numel()} values, expected {c.state_dim}")
+        _finite("observation.state", state)
         if self.state_stats is not None:
             mean, std = (t.to(self.device) for t in self.state_stats)
             state = (state - mean) / (std + self.eps)

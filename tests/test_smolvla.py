@@ -14,11 +14,15 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+import flashrt
+from conftest import state_bytes
 from flashrt.arena import Arena
+from flashrt.layers import StepCtx
 from flashrt.models import make_checkpoint
 from flashrt.models.smolvla import Model, SmolVLAConfig
 from flashrt.models.smolvla_checkpoint import policy_config, vlm_config
 from flashrt.models.smolvla_processor import load
+from flashrt.sampler import normal, seed_rng
 
 GOLDEN = Path(__file__).resolve().parent / "golden" / "smolvla_tiny"
 TOL = 1e-4   # fp32, across implementations
@@ -41,6 +45,12 @@ def policy():
     return load(GOLDEN, device="cpu", dtype=torch.float32)
 
 
+@pytest.fixture(scope="module")
+def pol():
+    """The public API: flashrt.load_policy over the directory LeRobot saved."""
+    return flashrt.load_policy(GOLDEN, device="cpu", dtype="float32")
+
+
 def _obs(g, case):
     t = case["tag"]
     obs = {k[len(t) + 5:]: v.clone() for k, v in g.items() if k.startswith(t + ".obs.")}
@@ -49,7 +59,13 @@ def _obs(g, case):
 
 
 def _state(net):
-    return Arena(net.state_specs(torch.float32))
+    return Arena(net.state_specs(net.prefix_len, torch.float32))
+
+
+def _forward(net, inputs, state):
+    """One chunk through the model protocol on a bare arena (no session)."""
+    n = net.prefix_len
+    return net(inputs, StepCtx(n, torch.arange(n), start=0), state)["actions"]
 
 
 def _maxdiff(a, b):
@@ -58,9 +74,10 @@ def _maxdiff(a, b):
 
 
 @pytest.mark.parametrize("i", [0, 1])
-def test_end_to_end_parity_with_lerobot(golden, policy, i):
+def test_end_to_end_parity_with_lerobot(golden, policy, pol, i):
     """raw observation -> preprocessor -> vision tower + connector -> prefix -> flow matching ->
-    postprocessor, against LeRobot on the same weights, observation and noise."""
+    postprocessor, against LeRobot on the same weights, observation and noise: stage by stage
+    through the model protocol, then whole through flashrt.load_policy's predict_action_chunk."""
     g, cases = golden
     net, proc = policy
     case, t = cases[i], cases[i]["tag"]
@@ -82,28 +99,28 @@ def test_end_to_end_parity_with_lerobot(golden, policy, i):
         for layer in (0, last):
             for n in ("k", "v"):
                 assert _maxdiff(state[f"prefix.{layer}.{n}"][:L], g[f"{t}.prefix_{n}.{layer}"][0]) < TOL
-        chunk = net.predict_chunk(inp, state, noise=g[f"{t}.noise"])
+        chunk = _forward(net, dict(inp, noise=g[f"{t}.noise"][0]), state)
         assert _maxdiff(chunk, g[f"{t}.chunk"][0]) < TOL
-        actions = proc.postprocess(chunk)
+        assert _maxdiff(proc.postprocess(chunk), g[f"{t}.chunk_post"][0]) < TOL
+    actions = pol.predict_action_chunk(_obs(g, case), noise=g[f"{t}.noise"][0])
     d = _maxdiff(actions, g[f"{t}.chunk_post"][0])
     assert d < TOL, f"{t}: max |flashrt - lerobot| = {d:.3g}"
+    assert int(pol.arena["prefix.len"]) == L and torch.equal(pol.arena["prefix.0.k"][:L], state["prefix.0.k"][:L])
     # not vacuous: the actions are O(1) and differ between cases
     assert g[f"{t}.chunk_post"].abs().max() > 0.5
 
 
-def test_select_action_queue_matches_lerobot(golden, policy):
+def test_select_action_queue_matches_lerobot(golden, pol):
+    """LeRobot's select_action + postprocessor, three steps per case after a reset."""
     g, cases = golden
-    net, proc = policy
-    state = _state(net)
+    n = pol.net.config.n_action_steps
     for case in cases:
         t = case["tag"]
-        state["actions.head"].zero_(), state["actions.count"].zero_()      # reset: empty queue
+        pol.reset()
         for i in range(3):
-            with torch.no_grad():
-                a = net.select_action(proc.preprocess(_obs(g, case)), state, noise=g[f"{t}.noise"])
-            assert _maxdiff(proc.postprocess(a), g[f"{t}.select.{i}"][0]) < TOL
-        assert int(state["actions.head"]) == 3 and int(state["actions.count"]) == net.config.n_action_steps
-    assert int(state["step"]) == 6
+            a = pol.select_action(_obs(g, case), noise=g[f"{t}.noise"][0])
+            assert _maxdiff(a, g[f"{t}.select.{i}"][0]) < TOL
+        assert pol.steps == 3 and pol.queue_length == n - 3
 
 
 def test_make_checkpoint_writes_what_lerobot_saves(golden, tmp_path):
@@ -129,69 +146,79 @@ def test_make_checkpoint_writes_what_lerobot_saves(golden, tmp_path):
             assert filecmp.cmp(f, out / "vlm" / f.name, shallow=False), f.name
 
 
-def test_state_is_named_buffers_written_in_place(policy):
-    net, proc = policy
+def test_state_is_named_buffers_written_in_place(pol):
+    net = pol.net
     c = net.config
-    specs = {s.name: s for s in net.state_specs(torch.float32)}
+    specs = {s.name: s for s in net.state_specs(net.prefix_len, torch.float32)}
     cross = [i for i in range(c.vlm_layers) if not net.is_self(i)]
     assert {s.kind for s in specs.values()} == {"kv", "meta", "recurrent", "rng", "scratch"}
     assert all(f"prefix.{i}.k" in specs and f"prefix.{i}.v" in specs for i in range(c.vlm_layers))
     assert sorted({int(n.split(".")[1]) for n in specs if n.startswith("expert.")}) == cross
     assert specs["prefix.0.k"].shape == (c.prefix_capacity, c.kv_heads, c.head_dim)
-    state = _state(net)
+    pol.reset()
+    pol.seed(0)
+    state = pol.arena
     ptrs = {n: state[n].data_ptr() for n in specs}
     obs = {k: torch.rand(s) for k, s in c.cameras}
     obs.update({"observation.state": torch.randn(c.state_dim), "task": "stack the cubes"})
-    with torch.no_grad():
-        first = [net.select_action(proc.preprocess(obs), state) for _ in range(c.n_action_steps + 1)]
-    assert int(state["noise.rng"][1]) == 2               # the queue ran dry once: a second chunk
+    first = [pol.select_action(obs) for _ in range(c.n_action_steps + 1)]
+    # the queue ran dry once: two chunks of noise, 2 uniforms per normal (flashrt.sampler)
+    assert int(state["noise.rng"][1]) == 2 * 2 * c.chunk_size * c.max_action_dim
     assert int(state["step"]) == c.n_action_steps + 1 and int(state["actions.head"]) == 1
     assert all(state[n].data_ptr() == p for n, p in ptrs.items())
     assert not torch.equal(first[0], first[c.n_action_steps])   # new noise, new chunk
 
 
-def test_noise_rng_is_state(policy):
-    """The same (seed, counter) gives the same chunk; another seed another chunk."""
-    net, proc = policy
-    c = net.config
+def test_noise_rng_is_state(pol):
+    """The same (seed, counter) gives the same chunk; another seed another chunk; the noise is
+    flashrt.sampler.normal's stream from [seed, counter]."""
+    c = pol.net.config
     obs = {k: torch.rand(s, generator=torch.Generator().manual_seed(1)) for k, s in c.cameras}
     obs.update({"observation.state": torch.zeros(c.state_dim), "task": "open the drawer"})
     chunks = []
     for seed in (7, 7, 8):
-        state = _state(net)
-        state["noise.rng"][0] = seed
-        with torch.no_grad():
-            chunks.append(net.predict_chunk(proc.preprocess(obs), state).clone())
+        pol.seed(seed)
+        chunks.append(pol.predict_action_chunk(obs))
     assert torch.equal(chunks[0], chunks[1])
     assert not torch.allclose(chunks[0], chunks[2])
+    rng = torch.zeros(2, dtype=torch.int64)
+    seed_rng(rng, 7)
+    assert torch.equal(pol.predict_action_chunk(obs, noise=normal(rng, pol.net.noise_shape)), chunks[0])
 
 
-def test_bad_observation_is_refused_before_any_state_changes(policy):
-    net, proc = policy
-    c = net.config
-    state = _state(net)
-    before = state.data.clone()
+@pytest.mark.parametrize("at", [0, 2])          # empty queue, mid-chunk
+def test_bad_observation_is_refused_before_any_state_changes(pol, at):
+    c = pol.net.config
     good = {k: torch.rand(s) for k, s in c.cameras}
     good.update({"observation.state": torch.randn(c.state_dim), "task": "push"})
+    pol.reset()
+    for _ in range(at):
+        pol.select_action(good)
+    before = state_bytes(pol)
     cam = c.cameras[0][0]
     with pytest.raises(KeyError, match=cam):
-        proc.preprocess({k: v for k, v in good.items() if k != cam})
+        pol.select_action({k: v for k, v in good.items() if k != cam})
     with pytest.raises(ValueError, match=f"expected {c.state_dim}"):
-        proc.preprocess(dict(good, **{"observation.state": torch.randn(c.state_dim + 1)}))
+        pol.select_action(dict(good, **{"observation.state": torch.randn(c.state_dim + 1)}))
     with pytest.raises(ValueError, match=r"\(3, H, W\)"):
-        proc.preprocess(dict(good, **{cam: torch.rand(4, 8, 8)}))
-    assert torch.equal(state.data, before)
+        pol.predict_action_chunk(dict(good, **{cam: torch.rand(4, 8, 8)}))
+    with pytest.raises(ValueError, match="observation.state: has non-finite"):
+        pol.select_action(dict(good, **{"observation.state": torch.full((c.state_dim,), float("nan"))}))
+    with pytest.raises(TypeError, match="task: int, expected str"):
+        pol.select_action(dict(good, task=3))
+    with pytest.raises(ValueError, match=rf"noise.*shape \({c.chunk_size}, {c.max_action_dim}\)"):
+        pol.select_action(good, noise=torch.zeros(1, c.chunk_size, c.max_action_dim))
+    assert torch.equal(state_bytes(pol), before)
 
 
 def test_small_checkpoint_loads_and_runs(tmp_path):
     with pytest.raises(ValueError, match="'huge'"):
         make_checkpoint("smolvla", "huge", tmp_path / "h")
-    net, proc = load(make_checkpoint("smolvla", "small", tmp_path / "s", seed=3))
-    c = net.config
+    pol = flashrt.load_policy(make_checkpoint("smolvla", "small", tmp_path / "s", seed=3))
+    c = pol.net.config
     obs = {k: torch.rand(s) for k, s in c.cameras}
     obs.update({"observation.state": torch.randn(c.state_dim), "task": "fold the towel"})
-    with torch.no_grad():
-        a = proc.postprocess(net.select_action(proc.preprocess(obs), _state(net)))
+    a = pol.select_action(obs)
     assert a.shape == (c.action_dim,) and torch.isfinite(a).all()
 
 
