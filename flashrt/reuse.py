@@ -43,8 +43,8 @@ def set_context(lm, context, store=None, remember: bool = True) -> int:
 def remember_boundary(lm, store) -> None:
     """Store a capsule of lm's boundary: only the rows past the deepest stored capsule it
     extends. Failing to store it never fails the caller (the context is set)."""
-    stored = [c for c in lm.session.anchors() if store.key_of(c.id) is not None]
-    parent = max(stored, key=lambda c: c.position, default=None)
+    stored = [a for a in lm.session.ancestors() if store.key_of(a[0]) is not None]
+    parent = max(stored, key=lambda a: a[1], default=None)     # (id, position)
     try:
         store.put(lm.session.snapshot(parent=parent))
     except (ValueError, CapsuleError) as e:

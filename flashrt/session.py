@@ -25,7 +25,7 @@ from flashrt.version import __version__
 
 _FIXED_KINDS = frozenset(("recurrent", "conv"))    # state a position alone cannot rewind
 _ROLLBACK_KINDS = frozenset(("recurrent", "conv", "meta"))   # rng: a retry samples afresh
-MAX_ANCHORS = 8    # capsules of this history kept as rollback sources and delta parents
+MAX_ANCHORS = 8    # ids of capsules of this history a delta snapshot may reference
 
 
 @dataclass
@@ -38,42 +38,64 @@ class SessionOptions:
 
 class Sources:
     """What a rollback restores from: fixed-state checkpoints at multiples of checkpoint_every,
-    and anchors, the last MAX_ANCHORS capsules of this history (rollback sources and delta
-    parents). Anchors are held strongly, so which one serves never depends on garbage
-    collection; an anchor whose capsule was rewritten in place (another id) no longer serves."""
+    and the base, the last capsule of this history the session made or restored, held
+    strongly (one, so its memory stays bounded); both are chosen by the operations alone,
+    never by garbage collection. Ancestors: (id, position) of the last MAX_ANCHORS capsules
+    whose rows this session still holds, for delta parents (no memory held)."""
 
     def __init__(self, max_checkpoints: int):
         self.max_checkpoints = max_checkpoints
         self.checkpoints: list[Capsule] = []
-        self.anchors: list[tuple] = []          # (capsule, its id then, its position then)
+        self.base: tuple | None = None          # (capsule, its id then)
+        self.ancestors: list[tuple] = []        # (id, position)
 
     def clear(self) -> None:
         self.checkpoints.clear()
-        self.anchors.clear()
+        self.base, self.ancestors = None, []
 
     def recycle(self) -> Capsule | None:
         """The oldest checkpoint's buffer when at the limit (reused for the next one)."""
         return self.checkpoints.pop(0) if len(self.checkpoints) >= self.max_checkpoints else None
 
     def anchor(self, cap: Capsule) -> None:
-        kept = [a for a in self.anchors if a[0] is not cap][-(MAX_ANCHORS - 1):]
-        self.anchors = kept + [(cap, cap.id, cap.position)]
+        base, anc = self.base, self.ancestors
+        if base is not None and base[0] is cap and anc and anc[-1][0] == base[1]:
+            self.base, anc[-1] = (cap, cap.id), (cap.id, cap.position)   # snapshot(into=) again
+            return
+        self.base = (cap, cap.id)
+        kept = [a for a in self.ancestors if a[0] != cap.id][-(MAX_ANCHORS - 1):]
+        self.ancestors = kept + [(cap.id, cap.position)]
 
-    def live(self, position: int) -> list[Capsule]:
-        return [c for c, i, p in self.anchors if c.id == i and p <= position]
+    def restored(self, chain) -> None:
+        """The state is now chain[-1]'s (its ancestors' rows below): what rollback may use."""
+        if self.checkpoints:
+            self.checkpoints.clear()
+        if len(chain) == 1:                       # the common case, one capsule
+            cap = chain[0]
+            cid = cap.id
+            self.base, self.ancestors = (cap, cid), [(cid, cap.position)]
+            return
+        self.base = (chain[-1], chain[-1].id) if chain else None
+        self.ancestors = [(c.id, c.position) for c in chain]
 
-    def extends(self, cap: Capsule) -> bool:
-        return any(i == cap.id and p == cap.position for _, i, p in self.anchors)
+    def extends(self, cid: str, position: int) -> bool:
+        return (cid, position) in self.ancestors
 
     def drop_above(self, row: int) -> None:
-        self.anchors = [a for a in self.anchors if a[2] <= row]
+        self.ancestors = [a for a in self.ancestors if a[1] <= row]
+        if self.base is not None and self.base[0].position > row:
+            self.base = None
 
     def keep_below(self, position: int) -> None:
         self.checkpoints = [c for c in self.checkpoints if c.position <= position]
 
     def best(self, position: int) -> Capsule | None:
-        """The deepest checkpoint or live anchor at or below position."""
-        caps = [c for c in self.checkpoints if c.position <= position] + self.live(position)
+        """The deepest checkpoint, or the base if unchanged since, at or below position."""
+        caps = [c for c in self.checkpoints if c.position <= position]
+        if self.base is not None:
+            cap, cid = self.base
+            if cap.id == cid and cap.position <= position:
+                caps.append(cap)
         return max(caps, key=lambda c: c.position, default=None)
 
 
@@ -200,34 +222,38 @@ class Session:
                            {"id": next(self._ids)})
 
     def snapshot(self, into: Capsule | None = None, single_use: bool = False,
-                 parent: Capsule | None = None) -> Capsule:
+                 parent: "Capsule | tuple | None" = None) -> Capsule:
         """Copy the committed state: per-token rows [0, position) and every fixed buffer.
 
         parent: a capsule this session was restored from (or snapshotted) whose rows it still
-        holds; the result stores only rows [parent.position, position) and references it."""
+        holds, or its (id, position) from ancestors(); the result stores only rows
+        [parent position, position) and references it (attached when given as a capsule)."""
         with self._lock:
             if into is not None and not isinstance(into, Capsule):
                 raise TypeError(f"snapshot(into=) takes a Capsule (empty_capsule()), got "
                                 f"{type(into).__name__}")
-            if into is not None and into.entries and into.meta.fingerprint != self.fingerprint:
+            if into is not None and into.meta.fingerprint is not self.fingerprint and \
+                    into.entries and into.meta.fingerprint != self.fingerprint:
                 raise CapsuleMismatchError("snapshot(into=): that capsule was made by another "
                                            "model/layout")
-            ref = None
+            ref, obj = None, parent if isinstance(parent, Capsule) else None
             if parent is not None:
-                ref = {"id": parent.id, "position": parent.position}
-                if not self._sources.extends(parent):
+                pid, ppos = (parent.id, parent.position) if obj is not None else parent
+                ref = {"id": pid, "position": ppos}
+                if not self._sources.extends(pid, ppos):
                     raise CapsuleMismatchError(
                         f"snapshot(parent=): this session's state does not extend capsule "
-                        f"{parent.id} (it was not restored or snapshotted here, or rows below it "
+                        f"{pid} (it was not restored or snapshotted here, or rows below it "
                         "were rewritten)")
             cap = self.copier.snapshot(self._position, self._meta(single_use, ref), into=into,
-                                       parent=parent)
+                                       parent=obj)
             self._sources.anchor(cap)
             return cap
 
-    def anchors(self) -> list[Capsule]:
-        """Capsules whose rows this session still holds unchanged (rollback sources, parents)."""
-        return self._sources.live(self._position)
+    def ancestors(self) -> list[tuple]:
+        """(id, position) of capsules whose rows this session still holds unchanged: what a
+        delta snapshot may reference (see snapshot(parent=))."""
+        return [a for a in self._sources.ancestors if a[1] <= self._position]
 
     def mark(self, into: Capsule | None = None) -> Capsule:
         """The fixed state only (KV rows below stay valid by position): to rewind() to."""
@@ -260,13 +286,12 @@ class Session:
             chain = self.copier.check_fits(cap, self.fingerprint, self.capacity)
             if on_validated is not None:
                 on_validated()
-            cap.claim()                               # single use: validation first
+            if cap.meta.single_use:
+                cap.claim()                           # validation first, then consume
             self.copier.restore(cap, cap.kinds if want is None else want & cap.kinds, chain)
-            self._set_position(cap.position)
+            self._position = cap.position           # meta.position came with the capsule's bytes
             # a partial restore leaves a mixed state: nothing may build on it
-            self._sources.clear()
-            for c in chain if want is None else ():
-                self._sources.anchor(c)
+            self._sources.restored(chain if want is None else ())
 
     def reset(self) -> None:
         """Empty the session: zero the fixed state (rng-kind buffers continue), position 0."""
