@@ -15,7 +15,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention.bias import causal_lower_right
 
 from flashrt import native
 
@@ -232,6 +231,8 @@ def prefix_chunk_attention(qh, kh, vh, scale, mode: str) -> torch.Tensor:
         kh, vh = kh.repeat_interleave(g, dim=1), vh.repeat_interleave(g, dim=1)
     elif mode not in ("bias", "expand"):
         raise ValueError(f"chunk attention mode {mode!r}: expected mask, bias or expand")
+    # imported here: torch.nn.attention.bias pulls in dynamo (and Triton) for every CPU user
+    from torch.nn.attention.bias import causal_lower_right
     return F.scaled_dot_product_attention(qh, kh, vh, attn_mask=causal_lower_right(T, L), scale=scale,
                                           enable_gqa=kh.shape[1] != qh.shape[1])
 
