@@ -436,3 +436,32 @@ def test_damaged_parent_refuses_the_chain(rt, tiers, raw):
     fresh = tiers()
     assert fresh.lookup(T1 + [1], a.fingerprint) == (None, 0)    # neither the child nor the parent
     assert fresh.stats()["corrupt"] == 1 and not list(raw.scan_iter(P + "m:*"))
+
+
+def test_two_server_processes_share_a_conversation(ckpt, server, raw, tmp_path):
+    """Turn 1 on `flashrt serve --capsule-redis` A, turn 2 on B: B restores the conversation
+    from Redis (cached_tokens = the whole of turn 1) and its greedy reply equals a cold run
+    wherever the top-2 gap exceeds 1e-3. Publishing is off the request path: the test waits
+    (bounded) until turn 1's end is in Redis before sending turn 2."""
+    from serve_util import Reference
+    from serve_util import Server as HTTPServer
+    path = ckpt("qwen3_5")
+    ref = Reference(path)
+    a = HTTPServer(path, "--capsule-redis", server.url, "--threads", "1", log=tmp_path / "a.log")
+    b = HTTPServer(path, "--capsule-redis", server.url, "--threads", "1", log=tmp_path / "b.log")
+    probe = RedisTier.from_url(server.url)
+    try:
+        first = a.complete(T1, max_tokens=6, ignore_eos=True)
+        hist = T1 + first["choices"][0]["token_ids"]
+        deadline = time.monotonic() + 60
+        while probe.lookup(hist, ref.rt.fingerprint)[1] < len(hist):
+            assert time.monotonic() < deadline, "turn 1 never reached Redis"
+            time.sleep(0.1)
+        turn2 = hist + [5, 6, 7]
+        second = b.complete(turn2, max_tokens=6, ignore_eos=True)
+        assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == len(hist)
+        assert ref.check(turn2, second["choices"][0]["token_ids"]) >= 1
+    finally:
+        probe.close()
+        a.stop()
+        b.stop()

@@ -62,12 +62,12 @@ class Job:
 
 class Engine:
     def __init__(self, rt, budget_bytes: int, disk_dir=None, max_sessions: int = 4,
-                 max_queue: int | None = None, threads: int | None = None):
+                 max_queue: int | None = None, threads: int | None = None, shared=None):
         self.rt, self.threads = rt, threads
         self.reuse = budget_bytes > 0      # 0: every prompt prefilled in full (a baseline)
         self.tokenizer = rt.tokenizer
         self.vocab = rt.model.net.vocab_size
-        self.tiers = Tiers(budget_bytes, disk_dir)
+        self.tiers = Tiers(budget_bytes, disk_dir, shared)
         self.turns = Turns(self.tiers, rt.model.eos_ids, rt.fingerprint, self.reuse)
         self.slots = [rt] + [rt.fork() for _ in range(max_sessions - 1)]
         self.free = list(self.slots)

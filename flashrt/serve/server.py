@@ -6,7 +6,8 @@ from pathlib import Path
 
 
 def build(model_dir, device="cpu", dtype=None, max_seq_len=4096, capsule_budget_mb=1024,
-          capsule_dir=None, api_key=None, max_sessions=4, max_queue=None, seed=0, threads=None):
+          capsule_dir=None, api_key=None, max_sessions=4, max_queue=None, seed=0, threads=None,
+          capsule_redis=None):
     """(asgi app, engine): load the model with max_sessions sessions, wire the routes, and
     guard every path (API key when given, body size limit)."""
     import flashrt
@@ -17,7 +18,12 @@ def build(model_dir, device="cpu", dtype=None, max_seq_len=4096, capsule_budget_
         raise ValueError(f"--max-sessions must be >= 1, got {max_sessions}")
     rt = flashrt.load(model_dir, device=device, dtype=dtype, max_seq_len=max_seq_len,
                       sessions=max_sessions, seed=seed)
-    engine = Engine(rt, int(capsule_budget_mb * (1 << 20)), capsule_dir, max_sessions, max_queue, threads)
+    shared = None
+    if capsule_redis:                   # a fleet-shared tier below this server's own
+        from flashrt.capsules.redis_tier import RedisTier
+        shared = RedisTier.from_url(capsule_redis)
+    engine = Engine(rt, int(capsule_budget_mb * (1 << 20)), capsule_dir, max_sessions, max_queue, threads,
+                    shared)
     name = Path(model_dir).resolve().name
     app = create_app(engine, ChatTemplate(model_dir), name, api_key)
     return Guard(app, api_key, MAX_BODY), engine
@@ -36,6 +42,8 @@ def parser(p=None) -> argparse.ArgumentParser:
                    "prompt prefilled in full (the baseline of bench/serve.py)")
     p.add_argument("--capsule-dir", default=None,
                    help="write each turn's capsule here too; a restarted server reuses them")
+    p.add_argument("--capsule-redis", default=None, metavar="URL",
+                   help="share capsules with a fleet through Redis (redis:// or rediss://, AUTH in the URL)")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' everywhere")
     p.add_argument("--max-sessions", type=int, default=4, help="model sessions (concurrent requests)")
     p.add_argument("--max-queue", type=int, default=None, help="waiting requests before 429 (default 4x sessions)")
@@ -47,7 +55,7 @@ def main(args) -> int:
     import uvicorn
     app, engine = build(args.model, args.device, args.dtype, args.max_seq_len, args.capsule_budget_mb,
                         args.capsule_dir, args.api_key, args.max_sessions, args.max_queue,
-                        threads=args.threads)
+                        threads=args.threads, capsule_redis=args.capsule_redis)
     if args.host not in ("127.0.0.1", "localhost", "::1"):
         print(f"flashrt serve: listening on {args.host}, not loopback only"
               + ("" if args.api_key else " and WITHOUT an API key"))

@@ -19,8 +19,10 @@ NAMED = "session."        # key prefix of capsules saved by name (/v1/sessions/{
 
 
 class Tiers:
-    def __init__(self, budget_bytes: int, disk_dir=None):
-        self.mem = CapsuleStore(device_bytes=budget_bytes, host_bytes=0)
+    def __init__(self, budget_bytes: int, disk_dir=None, shared=None):
+        # shared: a fleet tier (capsules.redis_tier) the memory store publishes to and asks
+        self.mem = CapsuleStore(device_bytes=budget_bytes, host_bytes=0, shared=shared)
+        self.shared = shared
         self.disk = CapsuleStore(disk_dir=disk_dir) if disk_dir else None
         self._written: dict[str, tuple] = {}     # disk key -> tokens, turn files of this process
         self._q: queue.Queue = queue.Queue()
@@ -92,6 +94,9 @@ class Tiers:
         return cap.tokens
 
     def close(self) -> None:
+        if self.shared is not None:
+            self.shared.flush()
+            self.shared.close()
         if self._writer is not None:
             self._q.put(None)
             self._writer.join(timeout=30)
