@@ -245,9 +245,8 @@ class Session:
                         f"snapshot(parent=): this session's state does not extend capsule "
                         f"{pid} (it was not restored or snapshotted here, or rows below it "
                         "were rewritten)")
-            # the new capsule replaces the base: let go of the old one first, so a fresh buffer
-            # can reuse its memory when the caller dropped it (else: new pages, faulted in)
-            self._sources.base = None
+            if into is None:    # the new capsule replaces the base: let go of the old one first,
+                self._sources.base = None   # so a dropped one's memory serves the fresh buffer
             cap = self.copier.snapshot(self._position, self._meta(single_use, ref), into=into,
                                        parent=obj)
             self._sources.anchor(cap)
