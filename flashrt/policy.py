@@ -222,9 +222,10 @@ class Policy:
             return child
 
 
-def load_policy(path, device="cpu", dtype=None, seed: int = 0) -> Policy:
+def load_policy(path, device="cpu", dtype=None, seed: int = 0, linear_kernel: str = "auto") -> Policy:
     """A LeRobot policy directory (config.json, model.safetensors, processor files) -> a
-    Policy over raw LeRobot observations that returns unnormalised actions. dtype None: float32 on CPU."""
+    Policy over raw LeRobot observations that returns unnormalised actions. dtype None: float32
+    on CPU. linear_kernel: auto | aten | onednn | flashrt (see flashrt.load)."""
     path, device = Path(path), torch.device(device)
     if not (path / "config.json").exists():
         raise FileNotFoundError(f"{path}: no config.json (expected a LeRobot policy directory)")
@@ -232,5 +233,5 @@ def load_policy(path, device="cpu", dtype=None, seed: int = 0) -> Policy:
     if kind != "smolvla":
         raise ConfigError(f"{path}: policy type {kind!r} is not supported (supported: 'smolvla')")
     from flashrt.models.smolvla_processor import load
-    net, proc = load(path, device=device, dtype=resolve_dtype(dtype, device, None))
+    net, proc = load(path, device=device, dtype=resolve_dtype(dtype, device, None), linear_kernel=linear_kernel)
     return Policy(net, seed=seed, provenance={"path": str(path)}, processor=proc)

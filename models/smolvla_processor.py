@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from safetensors import safe_open
 
 from flashrt.errors import ConfigError, WeightError
+from flashrt.layers import select_linear_kernel
 
 from .smolvla import Model, SmolVLAConfig
 
@@ -140,8 +141,9 @@ def vlm_dir_of(path: Path, pol: dict) -> Path:
     return d
 
 
-def load(path, device="cpu", dtype=torch.float32) -> tuple[Model, Processor]:
-    """A LeRobot SmolVLA directory -> (model with weights, processor)."""
+def load(path, device="cpu", dtype=torch.float32, linear_kernel: str = "auto") -> tuple[Model, Processor]:
+    """A LeRobot SmolVLA directory -> (model with weights, processor). linear_kernel: the
+    projections' matmul path (flashrt.layers.select_linear_kernel; "aten" is plain F.linear)."""
     path = Path(path)
     if not (path / "config.json").exists():
         raise FileNotFoundError(f"{path}: no config.json (expected a LeRobot policy directory)")
@@ -168,4 +170,5 @@ def load(path, device="cpu", dtype=torch.float32) -> tuple[Model, Processor]:
     if missing:
         raise WeightError(f"model.safetensors lacks {len(missing)} weight(s): {missing[:6]}")
     net.load_state_dict(loaded, strict=True, assign=True)
+    select_linear_kernel(net, torch.device(device), dtype, linear_kernel)
     return net.eval(), Processor(path, c, vlm_dir, device)
