@@ -344,8 +344,8 @@ class Session:
             self._sources.keep_below(position)
             src, cap = self._source(position)
             self.invalidate_from(src)
-            if cap is not None:
-                self.copier.restore(cap, _ROLLBACK_KINDS & cap.kinds)
+            if cap is not None:     # rows below a delta's own are this history's: its parent not needed
+                self.copier.restore(cap, _ROLLBACK_KINDS & cap.kinds, chain=[cap])
                 self._set_position(src)
             elif src == 0:
                 self.reset()

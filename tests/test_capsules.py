@@ -168,6 +168,26 @@ def test_rollback_after_restore_uses_capsule(runtime):
     assert torch.equal(rt.arena["meta.logits"], fresh.arena["meta.logits"])
 
 
+def test_rollback_from_delta_base_without_parent(runtime):
+    """A turn end stored as a delta (parent by id only, as the server's store does) is the
+    base a barge-in rolls back from: its own rows and fixed state suffice, the parent's rows
+    are still the arena's. Used to raise 'needs its parent ..., which is not attached'."""
+    arch = "qwen3_5" if "qwen3_5" in ARCHS else "qwen3"
+    rt = runtime(arch, checkpoint_every=1000)
+    h = _ids(40, 18)
+    rt.prefill(h[:20])
+    first = rt.snapshot()
+    rt.prefill(h[20:30])
+    delta = rt.snapshot(parent=(first.id, first.position))
+    del first
+    assert delta.is_delta and delta.parent_capsule is None
+    at30 = state_bytes(rt)
+    rt.prefill(h[30:])
+    rt.rollback(30)                    # the delta is the source: restored, not re-run
+    assert rt.position == 30 and rt.tokens == h[:30]
+    assert torch.equal(state_bytes(rt), at30)
+
+
 def test_rollback_sources_are_strong_and_bounded(runtime):
     """Rollback sources never depend on garbage collection: the last capsule a session made
     serves rollback whether or not the caller still holds it (gc forced or disabled alike),

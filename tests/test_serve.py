@@ -196,6 +196,30 @@ def test_barge_in_stateless_completions(server, ref):
     assert ref.check(P + got + U, nxt["choices"][0]["token_ids"]) >= 1
 
 
+def test_barge_in_on_a_later_turn(tiny, ref, tmp_path):
+    """One session, so turn 2 continues its own history, whose stored turn end is a delta
+    capsule (parent by id): a barge-in rolls back from it. That raised 'delta capsule ...
+    needs its parent ..., which is not attached' and kept nothing."""
+    server = Server(tiny, "--max-sessions", "1", "--max-seq-len", "4096", "--capsule-budget-mb", "4096",
+                    log=tmp_path / "one.log")
+    try:
+        P = rand_ids(40, 11)
+        first = server.complete(P, max_tokens=16, ignore_eos=True)["choices"][0]["token_ids"]
+        P2 = P + first + rand_ids(6, 12)
+        body = {"model": server.model, "prompt": P2, "max_tokens": 16, "temperature": 0, "stream": True,
+                "ignore_eos": True}
+        _, got, reply = _stream_then_cancel(server, "/v1/completions", body, 4)
+        k = reply["kept_tokens"][0]
+        assert k == len(got) >= 5
+        ref.check(P2, got)
+        U = rand_ids(5, 13)
+        nxt = server.complete(P2 + got + U, max_tokens=6)
+        assert nxt["usage"]["prompt_tokens_details"]["cached_tokens"] == len(P2) + k
+        assert ref.check(P2 + got + U, nxt["choices"][0]["token_ids"]) >= 1
+    finally:
+        server.stop()
+
+
 def test_barge_in_stateless_chat(server, ref):
     tok, tpl = ByteTokenizer(VOCAB), ChatTemplate(server_ckpt(server))
     msgs = [{"role": "system", "content": "You are a voice agent."}, {"role": "user", "content": "Tell me"}]
