@@ -84,21 +84,27 @@ def _text_config(cfg: dict) -> dict:
 
 
 def stage(ckpt: Path, out: Path) -> None:
+    """Links to the checkpoint's files; the byte tokenizer is written unless it has one."""
     for f in ckpt.iterdir():
         if f.suffix in (".json", ".safetensors") and f.name != "flashrt_checkpoint.json":
             (out / f.name).symlink_to(f.resolve())
-    eos = _text_config(json.loads((ckpt / "config.json").read_text())).get("eos_token_id")
-    write_byte_tokenizer(out, eos[0] if isinstance(eos, list) else eos)
+    if not (ckpt / "tokenizer.json").exists():
+        eos = _text_config(json.loads((ckpt / "config.json").read_text())).get("eos_token_id")
+        write_byte_tokenizer(out, eos[0] if isinstance(eos, list) else eos)
 
 
 def convert(arch: str, size: str, dtype: str, llama_src: Path, out: Path | None = None,
             force: bool = False) -> Path:
-    out = out or gguf_path(arch, size, dtype)
+    return convert_dir(C.checkpoint(arch, size), arch, dtype, llama_src,
+                       out or gguf_path(arch, size, dtype), force)
+
+
+def convert_dir(ckpt: Path, arch: str, dtype: str, llama_src: Path, out: Path, force: bool = False) -> Path:
+    """Any checkpoint directory of `arch` -> GGUF at `out` (kept if it exists, unless force)."""
     if out.exists() and not force:
         print(f"{out}: exists (use --force to redo)")
         return out
     conv = find_converter(llama_src)
-    ckpt = C.checkpoint(arch, size)
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=f"flashrt-gguf-{arch}-") as tmp:
         stage(ckpt, Path(tmp))
@@ -108,7 +114,7 @@ def convert(arch: str, size: str, dtype: str, llama_src: Path, out: Path | None 
             cmd.append("--no-mtp")
         r = subprocess.run(cmd, capture_output=True, text=True)
         if r.returncode != 0:
-            raise RuntimeError(f"convert_hf_to_gguf failed for {arch}/{size} ({dtype}):\n"
+            raise RuntimeError(f"convert_hf_to_gguf failed for {C.short_path(ckpt)} ({dtype}):\n"
                                + "\n".join((r.stdout + r.stderr).splitlines()[-25:]))
     Path(str(out) + ".part").replace(out)
     print(f"{out}: {out.stat().st_size / 2**20:.1f} MiB from {C.short_path(ckpt)}")
