@@ -63,7 +63,7 @@ class LanguageModel:
         self.speculator = None            # flashrt.speculative state, made on first use
         self.graphs = None
         if options.cuda_graphs and model.device.type == "cuda":
-            self.graphs = StepGraphs(self, min(options.graph_max_tokens, options.prefill_chunk))
+            self.graphs = StepGraphs(self)
 
     # ---- properties -------------------------------------------------------------------
     position = property(lambda self: self.session.position)
@@ -314,7 +314,9 @@ class StepGraphs:
     and "decode" for generation on the device. capture=False runs the bodies eagerly: the
     graph path on CPU, as tests check it."""
 
-    def __init__(self, lm: LanguageModel, max_size: int, capture: bool = True):
+    def __init__(self, lm: LanguageModel, capture: bool = True):
+        o = lm.options      # warm-up steps max_size positions for real: within the capacity
+        max_size = min(o.graph_max_tokens, o.prefill_chunk, o.max_seq_len)
         self.lm, self.sizes, self.captured = lm, power_of_two_sizes(max_size), capture
         self.max_size = self.sizes[-1]
         self.fns = {"sample": lm.sample_body, "decode": lm.decode_body}
@@ -368,7 +370,7 @@ class StepGraphs:
 def use_graph_bodies(lm: LanguageModel, capture: bool = False) -> StepGraphs:
     """Step lm through its graph bodies (capture=False: run eagerly, how CPU tests check what
     CUDA graphs record: prefill chunks, decode and device-side sampling)."""
-    lm.graphs = StepGraphs(lm, min(lm.options.graph_max_tokens, lm.options.prefill_chunk), capture)
+    lm.graphs = StepGraphs(lm, capture)
     return lm.graphs
 
 
