@@ -14,7 +14,8 @@ from flashrt.sampler import sample
 
 SETTINGS = {"greedy": dict(temperature=0.0),
             "sampled": dict(temperature=0.8, top_k=40, top_p=0.9),
-            "top_p": dict(temperature=1.3, top_p=0.5)}
+            "top_p": dict(temperature=1.3, top_p=0.5),
+            "plain": dict(temperature=1.0)}           # host sample() skips both filters
 
 
 @pytest.fixture(autouse=True, scope="module")
