@@ -12,10 +12,10 @@ import torch
 
 from flashrt.arena import BufferSpec
 from flashrt.capsules.types import Capsule
-from flashrt.graphs import CapturedBodies, power_of_two_sizes
+from flashrt.graphs import CapturedBodies, HostReadback, power_of_two_sizes
 from flashrt.inputs import EmbeddingSegments, embeds_ids, token_ids
 from flashrt.loader import LoadedModel
-from flashrt.sampler import sample, seed_rng, validate
+from flashrt.sampler import draw, sample, seed_rng, validate
 from flashrt.session import Session, SessionOptions
 
 
@@ -36,6 +36,11 @@ def lm_specs(o: Options, vocab: int) -> list[BufferSpec]:
         BufferSpec("meta.tokens", "meta", (o.max_seq_len,), torch.int64, seq_dim=0),
         BufferSpec("sampler.rng", "rng", (2,), torch.int64),            # [seed, counter]
         BufferSpec("io.ids", "io", (o.prefill_chunk,), torch.int64),
+        # the device-side sampler (StepGraphs.generate): its settings, and the token it drew
+        BufferSpec("io.temperature", "io", (1,), torch.float32),
+        BufferSpec("io.top_k", "io", (1,), torch.int64),
+        BufferSpec("io.top_p", "io", (1,), torch.float32),
+        BufferSpec("io.next", "io", (1,), torch.int64),
     ]
 
 
@@ -58,7 +63,7 @@ class LanguageModel:
         self.speculator = None            # flashrt.speculative state, made on first use
         self.graphs = None
         if options.cuda_graphs and model.device.type == "cuda":
-            self.graphs = StepGraphs(self, min(options.graph_max_tokens, options.prefill_chunk))
+            self.graphs = StepGraphs(self)
 
     # ---- properties -------------------------------------------------------------------
     position = property(lambda self: self.session.position)
@@ -83,6 +88,20 @@ class LanguageModel:
         ids = a["io.ids"][:T]
         out = self.net({"ids": ids}, ctx, a)
         self._record(ids, ctx.positions, out["logits"][-1])
+
+    def sample_body(self) -> None:
+        """Draw the next token from meta.logits into io.next, with the io.* settings and the
+        arena RNG: the host sampler's function on device tensors (no sync)."""
+        a = self.arena
+        a["io.next"].copy_(draw(a["meta.logits"], a["sampler.rng"], a["io.temperature"],
+                                a["io.top_k"], a["io.top_p"]))
+
+    def decode_body(self) -> None:
+        """One generation step: the token in io.next runs through the model (the caller
+        commits its position), then the token after it is drawn into io.next."""
+        self.arena["io.ids"][:1].copy_(self.arena["io.next"])
+        self.static_step(1)
+        self.sample_body()
 
     def _record(self, ids, positions, last_logits) -> None:
         self.arena["meta.logits"].copy_(last_logits)
@@ -185,6 +204,12 @@ class LanguageModel:
         validate(temperature, top_k, top_p)
         with self._lock:
             stops = self.start_generation(ids, seed, stop, ignore_eos)
+            if self.graphs is not None:
+                n = min(max_new_tokens, self.max_seq_len - self.position)
+                out = self.graphs.generate(n, stops, temperature, top_k, top_p)
+                self.finish_reason = ("stop" if out and out[-1] in stops else
+                                      "length" if len(out) == max_new_tokens else "max_seq_len")
+                return out
             out, self.finish_reason = [], "length"
             for _ in range(max_new_tokens):
                 if self.position >= self.max_seq_len:
@@ -284,24 +309,69 @@ class LanguageModel:
 
 
 class StepGraphs:
-    """The language model's step captured per power-of-two size; a length replays as a sum
-    of captured sizes, largest first (no padding: it would advance recurrent state)."""
+    """The language model's graph bodies: the step per power-of-two size (a length replays as
+    a sum of them, largest first; no padding: it would advance recurrent state), and "sample"
+    and "decode" for generation on the device. capture=False runs the bodies eagerly: the
+    graph path on CPU, as tests check it."""
 
-    def __init__(self, lm: LanguageModel, max_size: int):
-        self.lm, self.sizes = lm, power_of_two_sizes(max_size)
+    def __init__(self, lm: LanguageModel, capture: bool = True):
+        o = lm.options      # warm-up steps max_size positions for real: within the capacity
+        max_size = min(o.graph_max_tokens, o.prefill_chunk, o.max_seq_len)
+        self.lm, self.sizes, self.captured = lm, power_of_two_sizes(max_size), capture
         self.max_size = self.sizes[-1]
+        self.fns = {"sample": lm.sample_body, "decode": lm.decode_body}
+        self.fns.update({T: (lambda T=T: lm.static_step(T)) for T in self.sizes})
+        self.readback = HostReadback(lm.model.device)
         self.bodies = CapturedBodies()
-        self.bodies.capture({T: (lambda T=T: lm.static_step(T)) for T in self.sizes},
-                            lambda fn: lm.session.preserving_state(fn, self.max_size))
+        if capture:
+            self.bodies.capture(self.fns, lambda fn: lm.session.preserving_state(fn, self.max_size))
+
+    def call(self, key) -> None:
+        if self.captured:
+            self.bodies.replay(key)
+        else:
+            self.fns[key]()
 
     def run(self, ids: torch.Tensor) -> None:
         io, i, n = self.lm.arena["io.ids"], 0, ids.shape[0]
         for size in reversed(self.sizes):
             while n - i >= size:
                 io[:size].copy_(ids[i: i + size])
-                self.bodies.replay(size)
+                self.call(size)
                 self.lm.session.commit(size)
                 i += size
+
+    def generate(self, n: int, stops, temperature: float, top_k: int, top_p: float) -> list[int]:
+        """Up to n tokens drawn on the device, each committed. Replay k steps token k and draws
+        k+1; it is queued before the host reads token k, so the device does not wait on it."""
+        if n <= 0:
+            return []
+        a, session, rb = self.lm.arena, self.lm.session, self.readback
+        a["io.temperature"].fill_(temperature)
+        a["io.top_k"].fill_(top_k)
+        a["io.top_p"].fill_(top_p)
+        self.call("sample")
+        rb.push(a["io.next"])
+        out = []
+        while len(out) < n:
+            self.call("decode")
+            session.commit(1)
+            rb.push(a["io.next"])
+            out.append(rb.pop())
+            if out[-1] in stops:
+                break
+        # the last replay drew one token past the end: give back its draw (draw's rule: one
+        # per token when temperature > 0), so the stream is the host loop's
+        a["sampler.rng"][1:2].sub_((a["io.temperature"] > 0).long())
+        rb.clear()
+        return out
+
+
+def use_graph_bodies(lm: LanguageModel, capture: bool = False) -> StepGraphs:
+    """Step lm through its graph bodies (capture=False: run eagerly, how CPU tests check what
+    CUDA graphs record: prefill chunks, decode and device-side sampling)."""
+    lm.graphs = StepGraphs(lm, capture)
+    return lm.graphs
 
 
 @torch.no_grad()

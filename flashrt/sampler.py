@@ -34,11 +34,17 @@ def _splitmix64(x: torch.Tensor) -> torch.Tensor:
     return z ^ _shr(z, 31)
 
 
+def _at_counter(rng: torch.Tensor) -> torch.Tensor:
+    """The draw in [0, 1) as float64 (shape (1,)) at rng = [seed, counter]; rng is not changed."""
+    z = _splitmix64(_splitmix64(rng[0:1]) ^ rng[1:2])
+    return _shr(z, 11).double() * (1.0 / (1 << 53))
+
+
 def uniform(rng: torch.Tensor) -> torch.Tensor:
     """One draw in [0, 1) as float64 (shape (1,)) from rng = [seed, counter]; advances counter."""
-    z = _splitmix64(_splitmix64(rng[0:1]) ^ rng[1:2])
+    u = _at_counter(rng)
     rng[1:2].add_(1)
-    return _shr(z, 11).double() * (1.0 / (1 << 53))
+    return u
 
 
 def uniforms(rng: torch.Tensor, n: int) -> torch.Tensor:
@@ -75,22 +81,41 @@ def sample(logits: torch.Tensor, rng: torch.Tensor, temperature: float = 0.0,
            top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
     """logits: (V,) float32. Returns the token as an int64 tensor of shape (1,).
 
-    Greedy (temperature 0) consumes no randomness. Otherwise: scale, keep the top-k, keep the
-    smallest set of tokens whose probability reaches top_p, then invert the CDF of what is
-    left (sorted by probability, stable, so ties resolve the same way everywhere).
-    """
+    The host's entry to draw(): the same function a captured step runs on device tensors, so
+    the two cannot drift. Greedy skips draw's sort (same argmax, no randomness consumed), and
+    a filter the settings turn off is skipped (its mask would keep every token)."""
     if temperature == 0.0:
         return torch.argmax(logits).reshape(1)
-    scaled = logits.float() / temperature
+    dev = logits.device
+    return draw(logits, rng, torch.full((1,), temperature, dtype=torch.float32, device=dev),
+                torch.full((1,), top_k, dtype=torch.int64, device=dev) if top_k > 0 else None,
+                torch.full((1,), top_p, dtype=torch.float32, device=dev) if top_p < 1.0 else None)
+
+
+def draw(logits: torch.Tensor, rng: torch.Tensor, temperature: torch.Tensor,
+         top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
+    """The sampling rule on device tensors, without host syncs or branches (graph-safe).
+
+    logits (V,) float32; temperature (1,) float32; top_k (1,) int64 (0: off), top_p (1,)
+    float32 (1.0: off), or None where the caller knows that filter is off. Returns the token,
+    int64 (1,). Greedy (temperature 0) is argmax and consumes no randomness. Otherwise: scale,
+    keep the top-k, keep the smallest set of tokens whose probability reaches top_p, then
+    invert the CDF of what is left (sorted by probability, stable, so ties resolve the same
+    way everywhere); the counter advances by one.
+    """
+    hot = temperature > 0                                            # (1,) bool
+    zero = torch.zeros((), device=logits.device)
+    scaled = logits.float() / torch.where(hot, temperature, torch.ones_like(temperature))
     probs, order = torch.sort(torch.softmax(scaled, dim=-1), descending=True, stable=True)
-    if top_k > 0:
-        probs = torch.where(torch.arange(probs.shape[0], device=probs.device) < top_k,
-                            probs, torch.zeros((), device=probs.device))
-    if top_p < 1.0:
+    if top_k is not None:
+        rank = torch.arange(probs.shape[0], device=probs.device)
+        probs = torch.where((top_k <= 0) | (rank < top_k), probs, zero)
+    if top_p is not None:
         # keep token j if the mass before it is < top_p (the first token is always kept)
         before = torch.cumsum(probs, 0) - probs
-        probs = torch.where(before < top_p * probs.sum(), probs, torch.zeros((), device=probs.device))
+        probs = torch.where((top_p >= 1.0) | (before < top_p * probs.sum()), probs, zero)
     cdf = torch.cumsum(probs.double(), 0)
-    u = uniform(rng) * cdf[-1]
+    u = _at_counter(rng) * cdf[-1]
+    rng[1:2].add_(hot.long())
     j = torch.searchsorted(cdf, u, right=True).clamp_(max=probs.shape[0] - 1)
-    return order[j]
+    return torch.where(hot, order[j], torch.argmax(logits).reshape(1))

@@ -151,7 +151,7 @@ class Speculator:
     def steps_for(self, k: int):
         rt, s = self.rt, self.steps
         if rt.graphs is not None and (not isinstance(s, SpecSteps) or s.max_T < k + 1):
-            s = self.steps = SpecSteps(rt, k + 1, capture=True)
+            s = self.steps = SpecSteps(rt, k + 1, capture=rt.graphs.captured)
         elif s is None:
             s = self.steps = EagerSteps(rt)
         return s

@@ -84,3 +84,28 @@ def test_snapshot_into_on_cuda_and_host_capsule_reuse(ckpt, tmp_path):
     rt.restore(host)
     flashrt.load_capsule(tmp_path / "other.cap", into=host)      # the host buffer reused at once
     assert torch.equal(rt.snapshot().to("cpu").data[: want.nbytes], want.data[: want.nbytes])
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_device_sampling_matches_host_sampler_on_graphs(arch, temperature, ckpt):
+    """generate draws inside the captured decode step (sort, cumsum, searchsorted captured);
+    the host sampler over the same replayed graphs draws the same tokens, and the state and
+    RNG stream match, with a stop token inside the run."""
+    from conftest import state_bytes
+    kw = dict(temperature=temperature, top_k=40, top_p=0.9)
+    dev, host = _load(ckpt, arch, True), _load(ckpt, arch, True)
+    prompt = _ids(21, 9)
+    host.prefill(prompt)
+    host.seed(4)
+    want = []
+    for _ in range(16):
+        want.append(host.sample(**kw))
+        host.decode(want[-1])
+    got = dev.generate(prompt, max_new_tokens=16, seed=4, ignore_eos=True, **kw)
+    assert got == want
+    assert torch.equal(state_bytes(dev), state_bytes(host))
+    dev2 = _load(ckpt, arch, True)
+    cut = dev2.generate(prompt, max_new_tokens=16, seed=4, stop=(want[9],), ignore_eos=True, **kw)
+    assert cut == want[: want.index(want[9]) + 1] and dev2.finish_reason == "stop"
+    assert dev2.arena["sampler.rng"].tolist() == [4, len(cut) if temperature else 0]
