@@ -15,6 +15,8 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from flashrt.layers import depthwise_causal_conv
+
 
 @functools.lru_cache(maxsize=None)
 def fast_kernels():
@@ -58,14 +60,7 @@ def causal_conv(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor, fast
                              activation="silu")
         state.copy_(final[0])
         return out[0].t()
-    K = weight.shape[1]
-    xx = torch.cat([state.t().to(x.dtype), x]).to(weight.dtype)   # (K-1+T, C)
-    state.copy_(xx[T:].t())
-    # K shifted multiply-adds: memory-bound, far cheaper on CPU than a depthwise conv1d call
-    out = xx[:T] * weight[:, 0]
-    for j in range(1, K):
-        out.addcmul_(xx[j: j + T], weight[:, j])
-    return F.silu(out).to(x.dtype)                            # (T, C)
+    return F.silu(depthwise_causal_conv(x, state.t(), weight)).to(x.dtype)   # (T, C)
 
 
 # ---- gated delta rule --------------------------------------------------------------------

@@ -16,7 +16,8 @@ import torch
 from torch import nn
 
 from flashrt.arena import BufferSpec
-from flashrt.layers import Linear, QKNormAttention, RMSNorm, Rotary, StepCtx, SwiGLU
+from flashrt.layers import (Linear, QKNormAttention, RMSNorm, Rotary, StepCtx, SwiGLU,
+                            depthwise_causal_conv)
 from flashrt.modeling import CausalLM, check, check_rope, require
 
 ATTN, CONV = "full_attention", "conv"
@@ -117,21 +118,11 @@ class ShortConv(nn.Module):
         self.state_name = f"layers.{idx}.conv.state"
 
     def forward(self, x, ctx: StepCtx, state):
-        h, L, T = self.h, self.L, x.shape[0]
+        h = self.h
         bcx = self.in_proj(x)                                    # (T, 3h): B | C | x
         B, C, xs = bcx[:, :h], bcx[:, h: 2 * h], bcx[:, 2 * h:]
-        st = state[self.state_name]                              # (L-1, h) left context
-        seq = torch.cat((st, B * xs), dim=0)                     # (L-1+T, h)
-        # depthwise causal conv as L shifted multiply-adds: out[t] = sum_k w[:, k] * seq[t + k]
-        # (F.conv1d takes oneDNN's depthwise path on CPU: 4-5x slower at T=1 and T=512)
-        w = self.conv.weight[:, 0]                               # (h, L)
-        y = seq[0:T] * w[:, 0]
-        for k in range(1, L):
-            y = y.addcmul(seq[k: k + T], w[:, k])                # (T, h)
-        if self.conv.bias is not None:
-            y = y + self.conv.bias
-        if L > 1:
-            st.copy_(seq[T:])                                    # keep the last L-1 inputs
+        y = depthwise_causal_conv(B * xs, state[self.state_name], self.conv.weight[:, 0],
+                                  self.conv.bias)                # state: (L-1, h) left context
         return self.out_proj(C * y)                              # (T, hidden)
 
 
