@@ -32,7 +32,7 @@ NAMES = ("state_sizes", "models", "capsules", "ttft", "ablation", "serve")
 HEADLINE = {
     "ttft": ("Qwen3.5-0.8B", (1, 2, 3, 4, 5, 6)),     # prefix .. flashrt's same-16-tokens check
     "capsules": ("", (0, 2, 3, 4, 5, 6)),             # state, plain copy, snapshot(into), restore
-    "serve": ("", (0, 2, 3, 4, 6)),                   # turn, cached tokens, flashrt vs re-prefill
+    "serve": ("", (0, 2, 3, 6, 7, 8, 9)),             # turn, cached, flashrt, re-prefill, llama-cpp
 }
 
 

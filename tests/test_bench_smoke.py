@@ -50,3 +50,20 @@ def test_policy_bench_quick(tmp_path):
     for k in ("vision", "prefix", "denoise", "chunk", "control", "reset", "reset_zero", "rebuild"):
         assert d["flashrt"][k]["n"] == 1 and d["flashrt"][k]["median_ms"] > 0, k
     assert d["lerobot"] == {} and d["max_abs_diff"] is None
+
+
+def test_serve_bench_quick(tmp_path):
+    """bench/serve.py end to end on the tiny model (no llama-cpp venv in CI): every turn after
+    the first restores exactly the previous turn's end (prompt + delivered reply; one token per
+    character in the text checkpoint), the barge-in turn included; the baseline reuses nothing."""
+    out = tmp_path / "serve.json"
+    r = subprocess.run([sys.executable, "bench/serve.py", "--quick", "--no-progress", "--out", str(out)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    d = json.loads(out.read_text())["data"]
+    turns = d["runs"]["flashrt"][0]
+    assert turns[0]["cached"] == 0 and len(turns) == 5
+    for prev, t in zip(turns, turns[1:]):
+        assert t["cached"] == prev["prompt_tokens"] + len(prev["reply"]), t["turn"]
+    assert len(turns[3]["reply"]) == 4                          # cut off after 4 delivered tokens
+    assert all(x["cached"] == 0 for x in d["runs"]["reprefill"][0])
