@@ -164,7 +164,7 @@ class LlamaServer:
 def flashrt_turn(srv, client, prompt: str, a, barge: bool) -> dict:
     body = {"model": srv.model, "prompt": prompt, "max_tokens": a.reply_tokens, "temperature": 0,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
-    texts, ids, ttft, usage, rid = [], [], None, None, None
+    texts, ids, ttft, usage, rid, cut = [], [], None, None, None, False
     t0 = time.perf_counter()
     with client.stream("POST", srv.url + "/v1/completions", json=body) as r:
         for line in r.iter_lines():
@@ -176,14 +176,14 @@ def flashrt_turn(srv, client, prompt: str, a, barge: bool) -> dict:
             rid = ev["id"]
             if ev.get("usage"):
                 usage = ev["usage"]
-            if ev["choices"] and ev["choices"][0]["token_ids"]:
+            if ev["choices"] and ev["choices"][0]["token_ids"] and not cut:
                 ids += ev["choices"][0]["token_ids"]
                 texts.append(ev["choices"][0]["text"])
                 if barge and len(ids) >= a.barge_after and ev["choices"][0]["finish_reason"] is None:
                     kept = srv.post(f"/v1/completions/{rid}/cancel", {"delivered_tokens": a.barge_after})
                     assert kept.status_code == 200 and kept.json()["kept_tokens"], kept.text
                     k = kept.json()["kept_tokens"][0]
-                    ids, texts, barge = ids[:k], texts[:k], False
+                    ids, texts, barge, cut = ids[:k], texts[:k], False, True   # the rest is not spoken
     return {"ttft": ttft, "reply": "".join(texts), "reply_ids": ids,
             "prompt_tokens": usage["prompt_tokens"], "cached": usage["prompt_tokens_details"]["cached_tokens"]}
 
