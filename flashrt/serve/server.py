@@ -16,13 +16,14 @@ def build(model_dir, device="cpu", dtype=None, max_seq_len=4096, capsule_budget_
     from .text import ChatTemplate
     if max_sessions < 1:
         raise ValueError(f"--max-sessions must be >= 1, got {max_sessions}")
-    rt = flashrt.load(model_dir, device=device, dtype=dtype, max_seq_len=max_seq_len,
-                      sessions=max_sessions, seed=seed)
+    def load():
+        return flashrt.load(model_dir, device=device, dtype=dtype, max_seq_len=max_seq_len,
+                            sessions=max_sessions, seed=seed)
     shared = None
     if capsule_redis:                   # a fleet-shared tier below this server's own
         from flashrt.capsules.redis_tier import RedisTier
         shared = RedisTier.from_url(capsule_redis)
-    engine = Engine(rt, int(capsule_budget_mb * (1 << 20)), capsule_dir, max_sessions, max_queue, threads,
+    engine = Engine(load, int(capsule_budget_mb * (1 << 20)), capsule_dir, max_sessions, max_queue, threads,
                     shared)
     name = Path(model_dir).resolve().name
     app = create_app(engine, ChatTemplate(model_dir), name, api_key)
