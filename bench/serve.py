@@ -37,6 +37,7 @@ import statistics
 import string
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -135,7 +136,8 @@ class LlamaServer:
         cmd = [python, "-m", "llama_cpp.server", "--model", str(gguf), "--model_alias", "llama",
                "--host", "127.0.0.1", "--port", str(self.port), "--n_threads", n, "--n_threads_batch", n,
                "--n_ctx", str(a.max_seq_len), "--cache", "true"]
-        self.log = open(C.RESULTS / "llama-server.log", "w")
+        self.log_path = Path(tempfile.gettempdir()) / "flashrt-llama-server.log"
+        self.log = open(self.log_path, "w")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=self.log)
         deadline = time.time() + 300
         while True:
@@ -146,7 +148,7 @@ class LlamaServer:
                 pass
             if self.proc.poll() is not None or time.time() > deadline:
                 raise RuntimeError(f"llama_cpp.server did not start (exit {self.proc.poll()}); "
-                                   f"see {C.RESULTS / 'llama-server.log'}")
+                                   f"see {self.log_path}")
             time.sleep(0.5)
 
     def stop(self):
