@@ -32,7 +32,7 @@ MAX_ANCHORS = 8    # ids of capsules of this history a delta snapshot may refere
 class SessionOptions:
     capacity: int = 4096              # per-token rows (max_seq_len)
     max_step: int = 2048              # positions per eager step (prefill chunk)
-    checkpoint_every: int = 1024      # rollback checkpoints at multiples of this position
+    checkpoint_every: int = 1024      # rollback checkpoints where steps reach multiples of this
     max_checkpoints: int = 16         # memory bound: oldest dropped first
 
 
@@ -149,11 +149,13 @@ class Session:
     # ---- stepping -----------------------------------------------------------------------
     def chunks(self, n: int) -> list[int]:
         """Step lengths for n positions: at most max_step, split at checkpoint boundaries when
-        the model has fixed state (attention-only models rewind by position alone)."""
+        the model has fixed state (attention-only models rewind by position alone). A short
+        step (a user turn: at most checkpoint_every/16) is not split: a second weight pass
+        costs more than the checkpoint lands late (it is taken at the step's end)."""
         pos, every, out = self._position, self.options.checkpoint_every, []
         while n:
             step = min(n, self.options.max_step)
-            if self.has_fixed_state:
+            if self.has_fixed_state and step > every // 16:
                 step = min(step, every - pos % every)
             out.append(step)
             pos, n = pos + step, n - step
@@ -185,7 +187,7 @@ class Session:
         """n more positions are committed (after a step or a replayed graph)."""
         self._note_threads()
         self._set_position(self._position + n)
-        self._maybe_checkpoint()
+        self._maybe_checkpoint(n)
 
     def invalidate_from(self, row: int) -> None:
         """Per-token rows from `row` on are being rewritten below the committed position:
@@ -307,9 +309,10 @@ class Session:
             self._sources.clear()
 
     # ---- rollback -----------------------------------------------------------------------
-    def _maybe_checkpoint(self) -> None:
+    def _maybe_checkpoint(self, n: int) -> None:
+        """After n positions: a checkpoint when they reached or crossed a multiple of checkpoint_every."""
         every = self.options.checkpoint_every
-        if self._position % every:
+        if self._position // every == (self._position - n) // every:
             return
         cp = self.copier.snapshot(self._position, self._meta(), into=self._sources.recycle(),
                                   fixed_only=True)

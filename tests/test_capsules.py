@@ -168,6 +168,22 @@ def test_rollback_after_restore_uses_capsule(runtime):
     assert torch.equal(rt.arena["meta.logits"], fresh.arena["meta.logits"])
 
 
+def test_short_step_across_a_checkpoint_boundary_is_one_step(runtime):
+    """A user turn crossing a multiple of checkpoint_every runs as one step (a split costs a
+    second weight pass) and the checkpoint lands at its end; long steps still split there."""
+    arch = "qwen3_5" if "qwen3_5" in ARCHS else "lfm2"
+    rt = runtime(arch, checkpoint_every=64)                 # short: at most 64 // 16 = 4 positions
+    h = _ids(80, 19)
+    rt.prefill(h[:62])
+    assert rt.session.chunks(4) == [4] and rt.session.chunks(5) == [2, 3]
+    rt.prefill(h[62:66])
+    assert rt.session.checkpoint_positions() == [66]
+    at66 = state_bytes(rt)
+    rt.prefill(h[66:])
+    rt.rollback(66)                                         # from the checkpoint: bitwise
+    assert torch.equal(state_bytes(rt), at66)
+
+
 def test_rollback_from_delta_base_without_parent(runtime):
     """A turn end stored as a delta (parent by id only, as the server's store does) is the
     base a barge-in rolls back from: its own rows and fixed state suffice, the parent's rows
