@@ -30,7 +30,6 @@ client; each server and the in-process run first do one untimed dialogue of the 
 from __future__ import annotations
 
 import json
-import os
 import random
 import signal
 import statistics
@@ -127,9 +126,8 @@ class LlamaServer:
     """`python -m llama_cpp.server` in its own venv (the command issue 16 names), on loopback."""
 
     def __init__(self, python, gguf, a):
-        import httpx
         sys.path.insert(0, str(C.ROOT / "tests"))
-        from serve_util import free_port
+        from serve_util import free_port, wait_until_up
         self.port = free_port()
         self.url, self.model = f"http://127.0.0.1:{self.port}", "llama"
         n = str(a.threads or 2)
@@ -139,17 +137,7 @@ class LlamaServer:
         self.log_path = Path(tempfile.gettempdir()) / "flashrt-llama-server.log"
         self.log = open(self.log_path, "w")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=self.log)
-        deadline = time.time() + 300
-        while True:
-            try:
-                if httpx.get(self.url + "/v1/models", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            if self.proc.poll() is not None or time.time() > deadline:
-                raise RuntimeError(f"llama_cpp.server did not start (exit {self.proc.poll()}); "
-                                   f"see {self.log_path}")
-            time.sleep(0.5)
+        wait_until_up(self.url, self.proc, 300, f"llama_cpp.server (see {self.log_path})")
 
     def stop(self):
         if self.proc.poll() is None:

@@ -101,3 +101,13 @@ def race(n: int, attempt) -> list:
     for t in ts:
         t.join()
     return results
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny models on a shared 2-core machine: two OpenMP threads only contend. A module
+    opts in with pytestmark = pytest.mark.usefixtures("one_thread")."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -22,6 +22,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_until_up(url, proc, timeout: float, what: str, headers=None) -> None:
+    """Poll GET url/v1/models until it answers 200; raise if proc exits or time runs out."""
+    deadline = time.time() + timeout
+    while True:
+        try:
+            if httpx.get(url + "/v1/models", headers=headers or {}, timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if proc.poll() is not None or time.time() > deadline:
+            raise RuntimeError(f"{what} did not start (exit {proc.poll()})")
+        time.sleep(0.2)
+
+
 class Server:
     """`python -m flashrt.cli serve CKPT` in a subprocess; stop() is a graceful Ctrl-C."""
 
@@ -35,16 +49,7 @@ class Server:
         self.log = open(log or os.devnull, "w")
         # run from tests/ (this file's folder) so the installed package is the one imported
         self.proc = subprocess.Popen(cmd, cwd=Path(__file__).parent, stdout=self.log, stderr=self.log)
-        deadline = time.time() + 120
-        while True:
-            try:
-                if httpx.get(self.url + "/v1/models", headers=self.headers(), timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if self.proc.poll() is not None or time.time() > deadline:
-                raise RuntimeError(f"flashrt serve did not start (exit {self.proc.poll()}); see {log}")
-            time.sleep(0.2)
+        wait_until_up(self.url, self.proc, 120, f"flashrt serve (see {log})", self.headers())
 
     def headers(self) -> dict:
         return {"Authorization": f"Bearer {self.key}"} if self.key else {}

@@ -18,13 +18,7 @@ SETTINGS = {"greedy": dict(temperature=0.0),
             "plain": dict(temperature=1.0)}           # host sample() skips both filters
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models on a shared 2-core machine: two OpenMP threads only contend."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _ids(n, seed=0):

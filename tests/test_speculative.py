@@ -16,13 +16,7 @@ ARCH, PROMPT, N = "qwen3_5", 12, 24
 LAYOUTS = ["multimodal", "text"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models on a shared 2-core machine: two OpenMP threads only contend."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _ids(n, seed=0, vocab=512):

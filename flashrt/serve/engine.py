@@ -65,8 +65,7 @@ class Engine:
                  max_queue: int | None = None, threads: int | None = None, shared=None):
         """load: () -> LanguageModel with max_sessions pooled sessions. The worker thread calls
         it and then does all the model's work: with torch's OpenMP, a second thread's team
-        (the main thread's, from loading) throttles both teams' spin-waits (a 16-token
-        Qwen3.5-0.8B step: 235 ms on the loading thread, 290 ms on another)."""
+        (the main thread's, from loading) makes libgomp throttle both teams' spin-waits."""
         self.threads = threads
         self.reuse = budget_bytes > 0      # 0: every prompt prefilled in full (a baseline)
         self.max_queue = max_queue if max_queue is not None else 4 * max_sessions
