@@ -1,5 +1,5 @@
-"""A/B two builds with one benchmark: runs alternate (A, B, A, B, ...) in one session, so drift
-on a shared machine hits both; each timed cell is compared across the runs.
+"""A/B two builds with one benchmark: runs alternate in one session (A B, B A, A B, ...), so
+drift on a shared machine hits both; each timed cell is compared across the runs.
 
     python bench/ab.py --a OLD_TREE --a-python OLD_VENV/bin/python --runs 5 -- \
         bench/capsules.py --arch qwen3 --mib 1 4 16 64 --no-progress
@@ -58,8 +58,11 @@ def main(argv=None) -> int:
     cmd = [x for x in a.bench if x != "--"]
     tmp = Path(tempfile.mkdtemp(prefix="ab-"))
     runs = {"A": [], "B": []}
+    sides = (("A", a.a, a.a_python), ("B", a.b, a.b_python))
     for i in range(a.runs):
-        for side, tree, py in (("A", a.a, a.a_python), ("B", a.b, a.b_python)):
+        # counterbalanced (AB, BA, AB, ...): whatever a run leaves behind (page cache, dirty
+        # pages, freed memory) falls on A and B alike
+        for side, tree, py in (sides if i % 2 == 0 else sides[::-1]):
             out = tmp / f"{side}{i}.json"
             subprocess.run([py, str(Path(tree) / cmd[0]), *cmd[1:], "--out", str(out)], cwd=tree,
                            check=True, stdout=subprocess.DEVNULL)
