@@ -101,10 +101,49 @@ def bench_arch(arch, a, tables):
                    "two systems on the same input (a sanity check, not a timing)")
     t.notes.append(f"weights: {C.short_path(path)} (random)")
     tables.append(t)
+    res["fork"] = fork_costs(rt, state, a, tables, lab)
     del rt, hf, cache, state
     C.free_memory()
     torch.manual_seed(0)
     return res
+
+
+def fork_costs(rt, state, a, tables, lab) -> dict:
+    """fork() at the decode context: shared arena (the default with captured graphs: one state
+    copy, no capture) against snapshot() alone; then a decode on the fork and one back on the
+    parent, each a turn switch (park + unpark) plus a step, against a plain decode step."""
+    tok = int(state["f"].argmax())
+    kids = []
+
+    def fork():
+        kids.append(rt.fork(share=True))
+
+    def switch_pair():
+        kids[-1].decode(tok)
+        rt.decode(tok)
+
+    def plain_pair():
+        rt.decode(tok)
+        rt.decode(tok)
+    mark = rt.snapshot()
+    cases = {"snapshot": C.Case(rt.snapshot), "fork": C.Case(fork),
+             "switch_pair": C.Case(switch_pair, setup=lambda: (rt.restore(mark), fork())),
+             "plain_pair": C.Case(plain_pair, setup=lambda: rt.restore(mark))}
+    st = C.measure(cases, a.repeats, a.warmup, a.device, desc="fork")
+    for k in kids:
+        k.close()
+    t = C.Table(f"{lab}: fork at {rt.position} positions ({a.device}, {a.dtype}, graphs "
+                f"{'captured' if rt.graphs is not None and rt.graphs.captured else 'off'})",
+                ["case", "ms", "vs"])
+    t.add("snapshot()", st["snapshot"].ms(), "")
+    t.add("fork(share=True)", st["fork"].ms(), C.fmt_ratio(C.ratio(st["fork"], st["snapshot"])) + " of snapshot")
+    t.add("decode on fork + decode on parent", st["switch_pair"].ms(),
+          C.fmt_ratio(C.ratio(st["switch_pair"], st["plain_pair"])) + " of two plain decodes")
+    t.add("two plain decodes", st["plain_pair"].ms(), "")
+    t.notes.append("a shared fork holds its state in a capsule while the other runs: each turn "
+                   "switch parks one state and unparks another (flashrt/slots.py)")
+    tables.append(t)
+    return dict(st)
 
 
 def main(argv=None) -> int:
@@ -115,9 +154,11 @@ def main(argv=None) -> int:
         if not C.arch_available(arch):
             print(f"{arch}: model file not present in this checkout, skipped")
             continue
+        n = len(tables)
         results.append(bench_arch(arch, a, tables))
-        print()
-        print(tables[-1].text())
+        for t in tables[n:]:
+            print()
+            print(t.text())
     data = {"prefill_lengths": a.prefill, "decode_steps": a.decode_steps, "repeats": a.repeats,
             "warmup": a.warmup, "size": a.size, "results": results}
     C.write_json("models", a, info, tables, data, argv)

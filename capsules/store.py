@@ -171,6 +171,16 @@ class _Catalog:
             out.append(self.recs[pk])
         return out[::-1]
 
+    def parent_for(self, cap, pkey) -> _Rec:
+        """The stored record under pkey, checked as delta capsule cap's parent."""
+        parent, ref = self.recs[pkey], cap.meta.parent
+        if parent.position != ref.get("position"):
+            raise CapsuleMismatchError(f"delta capsule {cap.id}: stored parent {parent.id} is at "
+                                       f"position {parent.position}, it was made from {ref}")
+        if parent.single_use:
+            raise ValueError(f"delta capsule {cap.id}: its parent {parent.id} is single-use")
+        return parent
+
     def candidates(self, tokens) -> list:
         """Keys holding a prefix of tokens: [(n, keys most recently used first)], longest first."""
         out = []
@@ -220,21 +230,15 @@ class CapsuleStore:
             if cap.id and cap.id in self._by_id:
                 raise ValueError(f"capsule {cap.id} is already stored under key {self._by_id[cap.id]!r}")
             rec = _Rec(key, cap.id, cap.meta, cap.entries, pin)
-            rec.msize = cap.data.numel()
-            rec.fsize = _fmt.file_size(cap) if self._disk else 0
-            tiers = self._tiers
-            tiers.refuse_if_too_big(rec, key)
+            rec.msize, rec.fsize = cap.data.numel(), _fmt.file_size(cap) if self._disk else 0
+            self._tiers.refuse_if_too_big(rec, key)
             parent = self._parent_for_put(cap) if rec.parent is not None else None
-            private = Capsule(cap.data, cap.entries, cap.meta)
-            order = [DISK] if rec.single_use and self._disk else list(range(tiers.last + 1))
-            self._recs[key] = rec                       # registered (tier None) so room-making
-            if parent is not None:                      # sees the parent as referenced
+            order = [DISK] if rec.single_use and self._disk else list(range(self._tiers.last + 1))
+            self._recs[key] = rec          # registered (tier None): room-making sees the parent
+            if parent is not None:         # as referenced
                 parent.children.add(key)
             try:
-                t = next((t for t in order if tiers.make_room(t, rec.size(t), {key})), None)
-                if t is None:
-                    raise ValueError(tiers.no_room(key, rec))
-                tiers.place(rec, private, t)
+                self._tiers.place_first(rec, Capsule(cap.data, cap.entries, cap.meta), order)
             except BaseException:
                 self._recs.pop(key, None)
                 if parent is not None:
@@ -344,14 +348,8 @@ class CapsuleStore:
                 raise CapsuleMismatchError(f"delta capsule {cap.id} needs its parent {ref.get('id')}, "
                                            "which is neither stored nor attached")
             pkey = self.put(cap.parent_capsule)
-        parent = self._recs[pkey]
-        if parent.position != ref.get("position"):
-            raise CapsuleMismatchError(f"delta capsule {cap.id}: stored parent {parent.id} is at "
-                                       f"position {parent.position}, it was made from {ref}")
-        if parent.single_use:
-            raise ValueError(f"delta capsule {cap.id}: its parent {parent.id} is single-use")
         self._lru.move_to_end(pkey)
-        return parent
+        return self._cat.parent_for(cap, pkey)
 
     def _load(self, rec, device) -> Capsule:
         """Load a disk record's file; a missing or corrupt file forgets it (and its children)."""

@@ -119,6 +119,14 @@ class Tiers:
             out = Capsule(out.data.pin_memory(), out.entries, out.meta)
         return out
 
+    def place_first(self, rec, cap, order) -> None:
+        """Put a new record's capsule into the first tier of `order` with room (made by
+        demoting others); ValueError naming the tiers when none has any."""
+        t = next((t for t in order if self.make_room(t, rec.size(t), {rec.key})), None)
+        if t is None:
+            raise ValueError(self.no_room(rec.key, rec))
+        self.place(rec, cap, t)
+
     def place(self, rec, cap, t) -> None:
         """Put a new record's capsule into tier t (room already made)."""
         if t == DISK:

@@ -5,7 +5,6 @@ stream, the io buffers of the captured step, and multimodal embedding segments.
 """
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass
 
 import torch
@@ -17,6 +16,7 @@ from flashrt.inputs import EmbeddingSegments, embeds_ids, token_ids
 from flashrt.loader import LoadedModel
 from flashrt.sampler import draw, sample, seed_rng, validate
 from flashrt.session import Session, SessionOptions
+from flashrt.slots import Slot
 
 
 @dataclass
@@ -47,26 +47,31 @@ def lm_specs(o: Options, vocab: int) -> list[BufferSpec]:
 class LanguageModel:
     """A causal LM session (batch 1). Parallel branches are forks over the same weights."""
 
-    def __init__(self, model: LoadedModel, options: Options, pool=None):
+    def __init__(self, model: LoadedModel, options: Options, pool=None, slot: Slot | None = None):
+        """slot: another session's arena and graphs, to take turns in (see fork(share=))."""
         self.model, self.options, self._pool = model, options, pool
         self.net = model.net
-        sopts = SessionOptions(options.max_seq_len, options.prefill_chunk, options.checkpoint_every,
-                               options.max_checkpoints)
-        self.session = Session(self.net, lm_specs(options, self.net.vocab_size), model.device,
-                               model.dtype, model.fingerprint, sopts, {"linear": model.linear_kernel})
-        self.arena = self.session.arena
-        seed_rng(self.arena["sampler.rng"], options.seed)
-        self._lock = threading.RLock()
         self.embeds = EmbeddingSegments()   # re-run on rollback; shared with forks
         self.finish_reason = None
         self.context_reused = 0              # positions set_context took over instead of re-running
         self.speculator = None            # flashrt.speculative state, made on first use
-        self.graphs = None
-        if options.cuda_graphs and model.device.type == "cuda":
-            self.graphs = StepGraphs(self)
+        if slot is None:
+            sopts = SessionOptions(options.max_seq_len, options.prefill_chunk,
+                                   options.checkpoint_every, options.max_checkpoints)
+            session = Session(self.net, lm_specs(options, self.net.vocab_size), model.device,
+                              model.dtype, model.fingerprint, sopts, {"linear": model.linear_kernel})
+            seed_rng(session.arena["sampler.rng"], options.seed)
+            slot = Slot(session, first=self)
+        self._slot, self._lock = slot, slot.lock      # forks sharing the arena share its lock
+        if slot.graphs is None and options.cuda_graphs and model.device.type == "cuda":
+            slot.graphs = StepGraphs(self)
 
-    # ---- properties -------------------------------------------------------------------
-    position = property(lambda self: self.session.position)
+    # ---- properties (a fork sharing the arena takes its turn first: flashrt/slots.py) ----
+    session = property(lambda self: self._slot.take(self))
+    arena = property(lambda self: self._slot.take(self).arena)
+    graphs = property(lambda self: self._slot.graphs_for(self),
+                      lambda self, g: setattr(self._slot, "graphs", g))
+    position = property(lambda self: self._slot.position(self))
     max_seq_len = property(lambda self: self.options.max_seq_len)
     fingerprint = property(lambda self: self.session.fingerprint)
     tokenizer = property(lambda self: self.model.tokenizer)
@@ -81,32 +86,6 @@ class LanguageModel:
         return self.arena.table()
 
     # ---- steps ------------------------------------------------------------------------
-    def static_step(self, T: int):
-        """The captured body: ids from io.ids, positions from meta.position."""
-        a = self.arena
-        ctx = self.session.static_ctx(T)
-        ids = a["io.ids"][:T]
-        out = self.net({"ids": ids}, ctx, a)
-        self._record(ids, ctx.positions, out["logits"][-1])
-
-    def sample_body(self) -> None:
-        """Draw the next token from meta.logits into io.next, with the io.* settings and the
-        arena RNG: the host sampler's function on device tensors (no sync)."""
-        a = self.arena
-        a["io.next"].copy_(draw(a["meta.logits"], a["sampler.rng"], a["io.temperature"],
-                                a["io.top_k"], a["io.top_p"]))
-
-    def decode_body(self) -> None:
-        """One generation step: the token in io.next runs through the model (the caller
-        commits its position), then the token after it is drawn into io.next."""
-        self.arena["io.ids"][:1].copy_(self.arena["io.next"])
-        self.static_step(1)
-        self.sample_body()
-
-    def _record(self, ids, positions, last_logits) -> None:
-        self.arena["meta.logits"].copy_(last_logits)
-        self.arena["meta.tokens"].index_copy_(0, positions, ids)
-
     def forward(self, ids: torch.Tensor | None = None, embeds: torch.Tensor | None = None,
                 hist: torch.Tensor | None = None, all_positions: bool = False, commit: bool = True,
                 position_ids: torch.Tensor | None = None):
@@ -121,14 +100,14 @@ class LanguageModel:
         def body(ctx):
             out = self.net(inputs, ctx, self.arena, all_positions=all_positions)
             if commit:
-                self._record(rec, ctx.positions, out["logits"][-1])
+                record(self.arena, rec, ctx.positions, out["logits"][-1])
             return out
         return self.session.step(rec.shape[0], body, commit=commit)
 
     def commit_tokens(self, ids: torch.Tensor, last_logits: torch.Tensor) -> None:
         """Commit positions a forward(commit=False) step ran: history, last logits, position."""
         P = self.position
-        self._record(ids, torch.arange(P, P + ids.shape[0], device=ids.device), last_logits)
+        record(self.arena, ids, torch.arange(P, P + ids.shape[0], device=ids.device), last_logits)
         self.session.commit(ids.shape[0])
 
     def _step_ids(self, ids: torch.Tensor, all_logits: bool):
@@ -210,17 +189,8 @@ class LanguageModel:
                 self.finish_reason = ("stop" if out and out[-1] in stops else
                                       "length" if len(out) == max_new_tokens else "max_seq_len")
                 return out
-            out, self.finish_reason = [], "length"
-            for _ in range(max_new_tokens):
-                if self.position >= self.max_seq_len:
-                    self.finish_reason = "max_seq_len"
-                    break
-                tok = self.sample(temperature, top_k, top_p)
-                self.advance(torch.tensor([tok], device=self.model.device))
-                out.append(tok)
-                if tok in stops:
-                    self.finish_reason = "stop"
-                    break
+            out, self.finish_reason = _host_generate(self, max_new_tokens, stops, temperature,
+                                                     top_k, top_p)
             return out
 
     def speculation(self):
@@ -279,22 +249,36 @@ class LanguageModel:
             hist = self.arena["meta.tokens"][: max(0, min(position, self.position))].clone()
             self.session.rollback(position, lambda a, b: self.advance(hist[a:b]))
 
-    def fork(self, cap: Capsule | None = None, seed: int | None = None) -> "LanguageModel":
+    def fork(self, cap: Capsule | None = None, seed: int | None = None,
+             share: bool | None = None) -> "LanguageModel":
         """An independent session over the same weights, from `cap` or the live state; it
-        does not inherit rollback checkpoints (its capsule serves as its base)."""
+        does not inherit rollback checkpoints (its capsule serves as its base).
+
+        share: the fork takes turns in this session's arena and captured graphs instead of
+        owning its own: the fork costs one state copy, each switch between the two two more
+        (flashrt/slots.py). Default: when graphs are captured and no pool was loaded."""
         with self._lock:
             src = cap if cap is not None else self.snapshot()
-            child = self._pool.acquire() if self._pool is not None else LanguageModel(self.model, self.options)
+            if share is None:
+                share = self._pool is None and self.graphs is not None and self.graphs.captured
+            if share:
+                child = LanguageModel(self.model, self.options, slot=self._slot)
+                self._slot.join(child, src)
+            else:
+                child = self._pool.acquire() if self._pool is not None else \
+                    LanguageModel(self.model, self.options)
+                child.restore(src)
             child.embeds = self.embeds           # immutable segments, by content digest
-            child.restore(src)
             if seed is not None:
                 child.seed(seed)
             return child
 
     def close(self) -> None:
-        """Give a pooled session back to its pool."""
+        """Give a pooled session back to its pool, or a shared-arena fork's turn back."""
         if self._pool is not None:
             self._pool.release(self)
+        else:
+            self._slot.leave(self)
 
     @torch.no_grad()
     def set_context(self, context, store=None, remember: bool = True) -> torch.Tensor:
@@ -308,6 +292,49 @@ class LanguageModel:
             return self.arena["meta.logits"].clone()
 
 
+def record(arena, ids, positions, last_logits) -> None:
+    """A step's history and last logits, in the arena (the captured and the eager step)."""
+    arena["meta.logits"].copy_(last_logits)
+    arena["meta.tokens"].index_copy_(0, positions, ids)
+
+
+def static_step(net, session: Session, T: int) -> None:
+    """The captured step body: T ids from io.ids, positions from meta.position."""
+    a, ctx = session.arena, session.static_ctx(T)
+    ids = a["io.ids"][:T]
+    out = net({"ids": ids}, ctx, a)
+    record(a, ids, ctx.positions, out["logits"][-1])
+
+
+def sample_body(arena) -> None:
+    """Draw the next token from meta.logits into io.next, with the io.* settings and the
+    arena RNG: the host sampler's function on device tensors (no sync)."""
+    arena["io.next"].copy_(draw(arena["meta.logits"], arena["sampler.rng"], arena["io.temperature"],
+                                arena["io.top_k"], arena["io.top_p"]))
+
+
+def decode_body(net, session: Session) -> None:
+    """One generation step: the token in io.next runs through the model (the caller commits
+    its position), then the token after it is drawn into io.next."""
+    session.arena["io.ids"][:1].copy_(session.arena["io.next"])
+    static_step(net, session, 1)
+    sample_body(session.arena)
+
+
+def _host_generate(lm: LanguageModel, n: int, stops, temperature, top_k, top_p):
+    """Eager generation: sample on the host, step, commit; (tokens, finish reason)."""
+    out = []
+    for _ in range(n):
+        if lm.position >= lm.max_seq_len:
+            return out, "max_seq_len"
+        tok = lm.sample(temperature, top_k, top_p)
+        lm.advance(torch.tensor([tok], device=lm.model.device))
+        out.append(tok)
+        if tok in stops:
+            return out, "stop"
+    return out, "length"
+
+
 class StepGraphs:
     """The language model's graph bodies: the step per power-of-two size (a length replays as
     a sum of them, largest first; no padding: it would advance recurrent state), and "sample"
@@ -317,14 +344,15 @@ class StepGraphs:
     def __init__(self, lm: LanguageModel, capture: bool = True):
         o = lm.options      # warm-up steps max_size positions for real: within the capacity
         max_size = min(o.graph_max_tokens, o.prefill_chunk, o.max_seq_len)
-        self.lm, self.sizes, self.captured = lm, power_of_two_sizes(max_size), capture
+        s = self.session = lm.session    # the bodies read this arena: any member of lm's slot runs them
+        self.sizes, self.captured = power_of_two_sizes(max_size), capture
         self.max_size = self.sizes[-1]
-        self.fns = {"sample": lm.sample_body, "decode": lm.decode_body}
-        self.fns.update({T: (lambda T=T: lm.static_step(T)) for T in self.sizes})
+        self.fns = {"sample": lambda: sample_body(s.arena), "decode": lambda: decode_body(lm.net, s)}
+        self.fns.update({T: (lambda T=T: static_step(lm.net, s, T)) for T in self.sizes})
         self.readback = HostReadback(lm.model.device)
         self.bodies = CapturedBodies()
         if capture:
-            self.bodies.capture(self.fns, lambda fn: lm.session.preserving_state(fn, self.max_size))
+            self.bodies.capture(self.fns, lambda fn: self.session.preserving_state(fn, self.max_size))
 
     def call(self, key) -> None:
         if self.captured:
@@ -333,12 +361,12 @@ class StepGraphs:
             self.fns[key]()
 
     def run(self, ids: torch.Tensor) -> None:
-        io, i, n = self.lm.arena["io.ids"], 0, ids.shape[0]
+        io, i, n = self.session.arena["io.ids"], 0, ids.shape[0]
         for size in reversed(self.sizes):
             while n - i >= size:
                 io[:size].copy_(ids[i: i + size])
                 self.call(size)
-                self.lm.session.commit(size)
+                self.session.commit(size)
                 i += size
 
     def generate(self, n: int, stops, temperature: float, top_k: int, top_p: float) -> list[int]:
@@ -346,7 +374,8 @@ class StepGraphs:
         k+1; it is queued before the host reads token k, so the device does not wait on it."""
         if n <= 0:
             return []
-        a, session, rb = self.lm.arena, self.lm.session, self.readback
+        session, rb = self.session, self.readback
+        a = session.arena
         a["io.temperature"].fill_(temperature)
         a["io.top_k"].fill_(top_k)
         a["io.top_p"].fill_(top_p)
@@ -379,7 +408,7 @@ def graph_body_step(lm: LanguageModel, ids: torch.Tensor) -> None:
     """Run the captured step's body eagerly for len(ids) tokens and commit them: what a CUDA
     graph records (device positions, full-capacity masked attention), testable on CPU."""
     lm.arena["io.ids"][: ids.shape[0]].copy_(ids)
-    lm.static_step(ids.shape[0])
+    static_step(lm.net, lm.session, ids.shape[0])
     lm.session.commit(ids.shape[0])
 
 

@@ -78,8 +78,18 @@ class Sources:
         self.base = (chain[-1], chain[-1].id) if chain else None
         self.ancestors = [(c.id, c.position) for c in chain]
 
-    def extends(self, cid: str, position: int) -> bool:
-        return (cid, position) in self.ancestors
+    def parent_ref(self, parent) -> tuple:
+        """(metadata reference, capsule or None) for snapshot(parent=): a capsule, or the
+        (id, position) of one, whose rows this history still holds."""
+        if parent is None:
+            return None, None
+        obj = parent if isinstance(parent, Capsule) else None
+        pid, ppos = (parent.id, parent.position) if obj is not None else parent
+        if (pid, ppos) not in self.ancestors:
+            raise CapsuleMismatchError(
+                f"snapshot(parent=): this session's state does not extend capsule {pid} (it "
+                "was not restored or snapshotted here, or rows below it were rewritten)")
+        return {"id": pid, "position": ppos}, obj
 
     def drop_above(self, row: int) -> None:
         self.ancestors = [a for a in self.ancestors if a[1] <= row]
@@ -89,6 +99,15 @@ class Sources:
     def keep_below(self, position: int) -> None:
         self.checkpoints = [c for c in self.checkpoints if c.position <= position]
 
+    def start(self, position: int, has_fixed_state: bool) -> tuple[int, Capsule | None]:
+        """(position, capsule) a rollback to `position` starts from: the nearest checkpoint
+        or anchored capsule at or before it; attention-only models rewind KV by position
+        and re-run one position for its outputs."""
+        best = self.best(position)
+        if not has_fixed_state and position > 0 and (best is None or best.position < position):
+            return position - 1, None
+        return (best.position, best) if best is not None else (0, None)
+
     def best(self, position: int) -> Capsule | None:
         """The deepest checkpoint, or the base if unchanged since, at or below position."""
         caps = [c for c in self.checkpoints if c.position <= position]
@@ -97,6 +116,26 @@ class Sources:
             if cap.id == cid and cap.position <= position:
                 caps.append(cap)
         return max(caps, key=lambda c: c.position, default=None)
+
+
+def _check_into(into, fingerprint) -> None:
+    if into is None:
+        return
+    if not isinstance(into, Capsule):
+        raise TypeError(f"snapshot(into=) takes a Capsule (empty_capsule()), got {type(into).__name__}")
+    if into.meta.fingerprint is not fingerprint and into.entries and into.meta.fingerprint != fingerprint:
+        raise CapsuleMismatchError("snapshot(into=): that capsule was made by another model/layout")
+
+
+@dataclass(frozen=True)
+class Parked:
+    """A history taken out of its arena (Session.park): its state and its rollback sources."""
+    capsule: Capsule
+    sources: Sources
+
+    @property
+    def position(self) -> int:
+        return self.capsule.position
 
 
 class Session:
@@ -231,22 +270,8 @@ class Session:
         holds, or its (id, position) from ancestors(); the result stores only rows
         [parent position, position) and references it (attached when given as a capsule)."""
         with self._lock:
-            if into is not None and not isinstance(into, Capsule):
-                raise TypeError(f"snapshot(into=) takes a Capsule (empty_capsule()), got "
-                                f"{type(into).__name__}")
-            if into is not None and into.meta.fingerprint is not self.fingerprint and \
-                    into.entries and into.meta.fingerprint != self.fingerprint:
-                raise CapsuleMismatchError("snapshot(into=): that capsule was made by another "
-                                           "model/layout")
-            ref, obj = None, parent if isinstance(parent, Capsule) else None
-            if parent is not None:
-                pid, ppos = (parent.id, parent.position) if obj is not None else parent
-                ref = {"id": pid, "position": ppos}
-                if not self._sources.extends(pid, ppos):
-                    raise CapsuleMismatchError(
-                        f"snapshot(parent=): this session's state does not extend capsule "
-                        f"{pid} (it was not restored or snapshotted here, or rows below it "
-                        "were rewritten)")
+            _check_into(into, self.fingerprint)
+            ref, obj = self._sources.parent_ref(parent)
             if into is None:    # the new capsule replaces the base: let go of the old one first,
                 self._sources.base = None   # so a dropped one's memory serves the fresh buffer
             cap = self.copier.snapshot(self._position, self._meta(single_use, ref), into=into,
@@ -297,6 +322,19 @@ class Session:
             # a partial restore leaves a mixed state: nothing may build on it
             self._sources.restored(chain if want is None else ())
 
+    def park(self) -> Parked:
+        """Take this history out of the arena (one copy of its state) so that another may use
+        it; unpark() puts it back byte for byte, with its checkpoints and delta anchors."""
+        with self._lock:
+            parked = Parked(self.copier.snapshot(self._position, self._meta()), self._sources)
+            self._sources = Sources(self.options.max_checkpoints)
+            return parked
+
+    def unpark(self, parked: Parked) -> None:
+        with self._lock:
+            self.copier.restore(parked.capsule, parked.capsule.kinds, [parked.capsule])
+            self._position, self._sources = parked.position, parked.sources
+
     def reset(self) -> None:
         """Empty the session: zero the fixed state (rng-kind buffers continue), position 0."""
         with self._lock, torch.no_grad():
@@ -321,18 +359,9 @@ class Session:
     def checkpoint_positions(self) -> list[int]:
         return [c.position for c in self._sources.checkpoints]
 
-    def _source(self, position: int) -> tuple[int, Capsule | None]:
-        """(position, capsule) a rollback to `position` starts from: the nearest checkpoint
-        or anchored capsule at or before it; attention-only models rewind KV by position
-        and re-run one position for its outputs."""
-        best = self._sources.best(position)
-        if not self.has_fixed_state and position > 0 and (best is None or best.position < position):
-            return position - 1, None
-        return (best.position, best) if best is not None else (0, None)
-
     def rollback_source(self, position: int) -> int:
         """The position a rollback to `position` restores from (then re-runs the rest)."""
-        return self._source(position)[0]
+        return self._sources.start(position, self.has_fixed_state)[0]
 
     def rollback(self, position: int, replay: Callable[[int, int], None]) -> None:
         """Return to an earlier boundary: fixed state from the nearest checkpoint or anchored
@@ -345,7 +374,7 @@ class Session:
             if position == self._position:
                 return
             self._sources.keep_below(position)
-            src, cap = self._source(position)
+            src, cap = self._sources.start(position, self.has_fixed_state)
             self.invalidate_from(src)
             if cap is not None:     # rows below a delta's own are this history's: its parent not needed
                 self.copier.restore(cap, _ROLLBACK_KINDS & cap.kinds, chain=[cap])

@@ -498,11 +498,13 @@ def test_graph_warm_up_at_a_small_capacity(arch, runtime):
     max_seq_len is below the sum of the captured sizes warms up and is left as it was (before,
     warm-up walked meta.position to 1+2+...+64 = 127: a device-side assert under 127)."""
     from flashrt.graphs import power_of_two_sizes
+    from flashrt.lm import static_step
     rt = runtime(arch, max_seq_len=20, prefill_chunk=16)
     rt.prefill(_ids(9, 40))
     before = state_bytes(rt)
     sizes = power_of_two_sizes(16)
     with torch.no_grad():
-        rt.session.preserving_state(lambda: [rt.static_step(T) for T in sizes], sizes[-1])
+        rt.session.preserving_state(lambda: [static_step(rt.net, rt.session, T) for T in sizes],
+                                    sizes[-1])
     assert torch.equal(state_bytes(rt), before) and rt.position == 9
     assert int(rt.arena["meta.position"]) == 9

@@ -109,3 +109,21 @@ def test_device_sampling_matches_host_sampler_on_graphs(arch, temperature, ckpt)
     cut = dev2.generate(prompt, max_new_tokens=16, seed=4, stop=(want[9],), ignore_eos=True, **kw)
     assert cut == want[: want.index(want[9]) + 1] and dev2.finish_reason == "stop"
     assert dev2.arena["sampler.rng"].tolist() == [4, len(cut) if temperature else 0]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_fork_shares_captured_graphs(arch, ckpt):
+    """A fork of a captured session takes turns in its arena and graphs (no capture, one state
+    copy); parent and fork, alternating, continue bitwise as two sessions that ran alone."""
+    parent, ref = _load(ckpt, arch, True), _load(ckpt, arch, True)
+    prompt, cont = _ids(21, 20), _ids(6, 21)
+    parent.prefill(prompt)
+    ref.prefill(prompt)
+    child = parent.fork()
+    assert child.graphs is parent.graphs and child.session is parent.session
+    want = torch.stack([ref.decode(t) for t in cont])
+    got_p, got_c = [], []
+    for t in cont:
+        got_c.append(child.decode(t))
+        got_p.append(parent.decode(t))
+    assert torch.equal(torch.stack(got_p), want) and torch.equal(torch.stack(got_c), want)
