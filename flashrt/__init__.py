@@ -22,7 +22,8 @@ from .version import __version__  # noqa: E402
 
 def load(path, device="cpu", dtype=None, max_seq_len: int = 4096, cuda_graphs: bool = True,
          sessions: int = 1, prefill_chunk: int = 2048, checkpoint_every: int = 1024,
-         max_checkpoints: int = 16, seed: int = 0, linear_kernel: str = "auto"):
+         max_checkpoints: int = 16, seed: int = 0, linear_kernel: str = "auto",
+         compile: bool = False):
     """Load a Hugging Face-format checkpoint directory and open a session on it.
 
     sessions > 1 pre-allocates (and on CUDA pre-captures) that many sessions in total, so
@@ -31,16 +32,24 @@ def load(path, device="cpu", dtype=None, max_seq_len: int = 4096, cuda_graphs: b
     runs, else "onednn" where oneDNN runs the dtype; else "aten"), "flashrt" (oneDNN, with
     2-32-row steps on the small-M kernel), "onednn" or "aten" (F.linear, transformers'
     kernel: bitwise-comparable with it; for debugging).
+    compile: steps of up to 64 positions run as torch.compile'd (inductor) bodies, captured
+    after compiling on CUDA; linears then go through F.linear, which inductor lowers itself.
+    Off by default: each body compiles on first use (seconds to minutes); bench/compile.py
+    measures where it pays.
     """
     from .lm import LanguageModel, Options
     from .loader import load_model
     from .pool import SessionPool
     if max_seq_len < 1:
         raise ValueError(f"max_seq_len must be >= 1, got {max_seq_len}")
-    model = load_model(path, device=device, dtype=dtype, linear_kernel=linear_kernel)
+    if compile and linear_kernel not in ("auto", "aten"):
+        raise ValueError(f"compile=True runs linears as F.linear (inductor lowers them itself); "
+                         f"linear_kernel={linear_kernel!r} is not traceable: use 'auto' or 'aten'")
+    model = load_model(path, device=device, dtype=dtype,
+                       linear_kernel="aten" if compile else linear_kernel)
     opts = Options(max_seq_len=max_seq_len, prefill_chunk=prefill_chunk,
                    checkpoint_every=checkpoint_every, max_checkpoints=max_checkpoints,
-                   cuda_graphs=cuda_graphs, seed=seed)
+                   cuda_graphs=cuda_graphs, seed=seed, compile=compile)
     pool = SessionPool(lambda p: LanguageModel(model, opts, pool=p), sessions - 1) if sessions > 1 else None
     return LanguageModel(model, opts, pool=pool)
 

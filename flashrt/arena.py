@@ -115,7 +115,10 @@ class Arena:
 
     def _make_view(self, slot: Slot) -> torch.Tensor:
         raw = self.data[slot.offset: slot.offset + slot.spec.nbytes]
-        return raw.view(slot.spec.dtype).view(slot.spec.shape)
+        view = raw.view(slot.spec.dtype).view(slot.spec.shape)
+        # the same memory under a storage object of its own (DLPack keeps the arena alive):
+        # torch.compile refuses mutated inputs that share a storage under several dtypes
+        return torch.from_dlpack(view.__dlpack__())
 
     # -- access --------------------------------------------------------------------------
     def __getitem__(self, name: str) -> torch.Tensor:

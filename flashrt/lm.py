@@ -27,6 +27,7 @@ class Options:
     max_checkpoints: int = 16         # memory bound: oldest dropped first
     cuda_graphs: bool = True
     graph_max_tokens: int = 64        # steps up to this many tokens replay graphs; longer run eagerly
+    compile: bool = False             # torch.compile the graph bodies (before capture on CUDA)
     seed: int = 0
 
 
@@ -63,8 +64,9 @@ class LanguageModel:
             seed_rng(session.arena["sampler.rng"], options.seed)
             slot = Slot(session, first=self)
         self._slot, self._lock = slot, slot.lock      # forks sharing the arena share its lock
-        if slot.graphs is None and options.cuda_graphs and model.device.type == "cuda":
-            slot.graphs = StepGraphs(self)
+        capture = options.cuda_graphs and model.device.type == "cuda"
+        if slot.graphs is None and (capture or options.compile):   # compiled bodies run on CPU too
+            slot.graphs = StepGraphs(self, capture, options.compile)
 
     # ---- properties (a fork sharing the arena takes its turn first: flashrt/slots.py) ----
     session = property(lambda self: self._slot.take(self))
@@ -341,7 +343,7 @@ class StepGraphs:
     and "decode" for generation on the device. capture=False runs the bodies eagerly: the
     graph path on CPU, as tests check it."""
 
-    def __init__(self, lm: LanguageModel, capture: bool = True):
+    def __init__(self, lm: LanguageModel, capture: bool = True, compile: bool = False):
         o = lm.options      # warm-up steps max_size positions for real: within the capacity
         max_size = min(o.graph_max_tokens, o.prefill_chunk, o.max_seq_len)
         s = self.session = lm.session    # the bodies read this arena: any member of lm's slot runs them
@@ -349,6 +351,8 @@ class StepGraphs:
         self.max_size = self.sizes[-1]
         self.fns = {"sample": lambda: sample_body(s.arena), "decode": lambda: decode_body(lm.net, s)}
         self.fns.update({T: (lambda T=T: static_step(lm.net, s, T)) for T in self.sizes})
+        if compile:     # fixed shapes per body; inductor fuses the elementwise ops between matmuls
+            self.fns = {k: torch.compile(f, dynamic=False) for k, f in self.fns.items()}
         self.readback = HostReadback(lm.model.device)
         self.bodies = CapturedBodies()
         if capture:
@@ -396,10 +400,11 @@ class StepGraphs:
         return out
 
 
-def use_graph_bodies(lm: LanguageModel, capture: bool = False) -> StepGraphs:
+def use_graph_bodies(lm: LanguageModel, capture: bool = False, compile: bool = False) -> StepGraphs:
     """Step lm through its graph bodies (capture=False: run eagerly, how CPU tests check what
-    CUDA graphs record: prefill chunks, decode and device-side sampling)."""
-    lm.graphs = StepGraphs(lm, capture)
+    CUDA graphs record: prefill chunks, decode and device-side sampling; compile: through
+    torch.compile, as Options.compile does before capture)."""
+    lm.graphs = StepGraphs(lm, capture, compile)
     return lm.graphs
 
 
