@@ -14,6 +14,7 @@ import argparse
 import json
 import re
 import statistics
+import os
 import subprocess
 import sys
 import tempfile
@@ -53,11 +54,18 @@ def main(argv=None) -> int:
     p.add_argument("--b-python", default=sys.executable)
     p.add_argument("--runs", type=int, default=5)
     p.add_argument("--out", default=None)
+    p.add_argument("--fixed-malloc", action="store_true",
+                   help="fix glibc's mmap and trim thresholds in both builds' runs (32/64 MiB): "
+                        "with the default dynamic threshold, whether a fresh buffer is page-"
+                        "faulted in depends on what the process freed before")
     p.add_argument("bench", nargs=argparse.REMAINDER, help="-- script.py [its arguments]")
     a = p.parse_args(argv)
     cmd = [x for x in a.bench if x != "--"]
     tmp = Path(tempfile.mkdtemp(prefix="ab-"))
     runs = {"A": [], "B": []}
+    env = dict(os.environ)
+    if a.fixed_malloc:      # glibc tunables, read at process start (not flashrt settings)
+        env["GLIBC_TUNABLES"] = "glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=67108864"
     sides = (("A", a.a, a.a_python), ("B", a.b, a.b_python))
     for i in range(a.runs):
         # counterbalanced (AB, BA, AB, ...): whatever a run leaves behind (page cache, dirty
@@ -65,7 +73,7 @@ def main(argv=None) -> int:
         for side, tree, py in (sides if i % 2 == 0 else sides[::-1]):
             out = tmp / f"{side}{i}.json"
             subprocess.run([py, str(Path(tree) / cmd[0]), *cmd[1:], "--out", str(out)], cwd=tree,
-                           check=True, stdout=subprocess.DEVNULL)
+                           check=True, stdout=subprocess.DEVNULL, env=env)
             runs[side].append(cells(json.loads(out.read_text())))
             print(f"run {i + 1}/{a.runs} {side} done", flush=True)
     keys = [k for k in runs["A"][0] if all(k in r for r in runs["A"] + runs["B"])]

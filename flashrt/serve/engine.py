@@ -95,7 +95,8 @@ class Engine:
         self.vocab = rt.model.net.vocab_size
         self.tiers = Tiers(budget_bytes, disk_dir, shared)
         self.turns = Turns(self.tiers, rt.model.eos_ids, rt.fingerprint, self.reuse)
-        self.slots = [rt] + [rt.fork() for _ in range(max_sessions - 1)]
+        # arenas of their own (captured once, here): n-way requests step them token by token
+        self.slots = [rt] + [rt.fork(share=False) for _ in range(max_sessions - 1)]
         self.free = list(self.slots)
 
     # ---- called from the event loop ------------------------------------------------------
