@@ -43,6 +43,8 @@ def parse(argv):
                    help="GGUF conversion of that checkpoint for the llama.cpp column (repeatable; "
                    "default: bench/gguf.py's output in ~/.cache/flashrt/gguf when present)")
     p.add_argument("--no-hf", action="store_true", help="skip the transformers columns")
+    p.add_argument("--compile", action="store_true",
+                   help="flashrt.load(compile=True): steps of <= 64 tokens run torch.compile'd bodies")
     p.add_argument("--plot", default=None, help="PNG path (default bench/results/ttft.png)")
     a = p.parse_args(argv)
     C.setup(a)
@@ -154,7 +156,7 @@ def bench_model(arch, size, a, table, llama_rows):
     path = C.checkpoint(arch, size)
     lab = C.label(arch, size)
     n_ctx = max(a.prefix) + a.suffix + a.gen + 1
-    rt = C.load_flashrt(path, a, max_seq_len=n_ctx)
+    rt = C.load_flashrt(path, a, max_seq_len=n_ctx, compile=a.compile)
     hf = None if a.no_hf else C.load_hf(path, a)
     llama, why = None, None
     gguf = a.gguf.get(f"{arch}:{size}") or gguf_path(arch, size, a.dtype)

@@ -33,7 +33,7 @@ def load(path, device="cpu", dtype=None, max_seq_len: int = 4096, cuda_graphs: b
     2-32-row steps on the small-M kernel), "onednn" or "aten" (F.linear, transformers'
     kernel: bitwise-comparable with it; for debugging).
     compile: steps of up to 64 positions run as torch.compile'd (inductor) bodies, captured
-    after compiling on CUDA; linears then go through F.linear, which inductor lowers itself.
+    after compiling on CUDA; the chosen linear kernels stay whole inside them (one custom op).
     Off by default: each body compiles on first use (seconds to minutes); bench/compile.py
     measures where it pays.
     """
@@ -42,11 +42,7 @@ def load(path, device="cpu", dtype=None, max_seq_len: int = 4096, cuda_graphs: b
     from .pool import SessionPool
     if max_seq_len < 1:
         raise ValueError(f"max_seq_len must be >= 1, got {max_seq_len}")
-    if compile and linear_kernel not in ("auto", "aten"):
-        raise ValueError(f"compile=True runs linears as F.linear (inductor lowers them itself); "
-                         f"linear_kernel={linear_kernel!r} is not traceable: use 'auto' or 'aten'")
-    model = load_model(path, device=device, dtype=dtype,
-                       linear_kernel="aten" if compile else linear_kernel)
+    model = load_model(path, device=device, dtype=dtype, linear_kernel=linear_kernel)
     opts = Options(max_seq_len=max_seq_len, prefill_chunk=prefill_chunk,
                    checkpoint_every=checkpoint_every, max_checkpoints=max_checkpoints,
                    cuda_graphs=cuda_graphs, seed=seed, compile=compile)

@@ -27,6 +27,9 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, kern
     the op torch.compile's CPU backend emits; "flashrt": the same, except 2..SMALL_M_MAX rows
     (a short step: a user turn, a speculative verify) go to the extension's small-M float32
     kernel; "aten": F.linear (MKL GEMM / GEMV)."""
+    if kernel != "aten" and torch.compiler.is_compiling():
+        y = torch.ops.flashrt.linear(x, w, kernel)    # opaque to inductor: our kernels, not F.linear
+        return y if b is None else y + b
     if kernel == "flashrt" and 2 <= x.shape[0] <= native.SMALL_M_MAX and x.dim() == 2 \
             and x.dtype == torch.float32 and w.is_contiguous():
         # a strided x (e.g. Gated DeltaNet's output, (T, 2048) in the Qwen3.5 shape) is a few
@@ -37,6 +40,18 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, kern
         y = torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
         return y if b is None else y + b
     return F.linear(x, w, b)
+
+
+@torch.library.custom_op("flashrt::linear", mutates_args=())
+def _linear_op(x: torch.Tensor, w: torch.Tensor, kernel: str) -> torch.Tensor:
+    """linear() without bias as one op torch.compile keeps whole (the oneDNN and small-M
+    kernels are not traceable); eager calls go to linear() directly."""
+    return linear(x, w, None, kernel)
+
+
+@_linear_op.register_fake
+def _(x, w, kernel):
+    return x.new_empty((*x.shape[:-1], w.shape[0]))
 
 
 class Linear(nn.Linear):
