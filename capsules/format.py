@@ -1,6 +1,9 @@
-"""On-disk capsule format, version 3: one safetensors file any safetensors reader can open.
+"""On-disk capsule format, version 4: one safetensors file any safetensors reader can open.
 
-    [u64 LE header length][JSON header, space-padded to a multiple of 8][entry bytes, in entry order]
+    [u64 LE header length][JSON header, space-padded][entry bytes, in entry order]
+
+The padding (a multiple of 8, under 4 KiB) puts most entry bytes at their capsule page offset
+in the file, so a load copies page-cache pages onto buffer pages one to one.
 
 The header is {"__metadata__": {...}, <buffer name>: {dtype, shape, data_offsets}, ...}; the
 metadata keeps what safetensors cannot (capsule offsets, kinds, seq flags, CapsuleMeta) so load
@@ -38,9 +41,9 @@ from flashrt.native import (hash_blocks, load_known_table, read_blocks_hashed, x
 
 from .types import ALIGN, Capsule, CapsuleMeta, Entry
 
-# version 3: the weights fingerprint is one sha256-based digest whatever the build (version 2
-# files carry a build-dependent one, so they are refused by version, not by a confusing mismatch)
-MAGIC, VERSION = "flashrt.capsule", "3"
+# version 3: one sha256-based weights digest whatever the build (2: build-dependent); version 4:
+# page-aligning header padding (3 differs only in it; refused by version, not as non-canonical)
+MAGIC, VERSION = "flashrt.capsule", "4"
 _BLOCK = 1 << 18                            # checksum block: fits L2, 4 blocks per MiB to share out
 HASH = f"xxh3/{_BLOCK}"
 _MAX_HEADER = 100_000_000   # safetensors' own limit; anything larger is a corrupt length field
@@ -86,8 +89,25 @@ def _header(entries, meta: CapsuleMeta, tokens: list, checksum: str, parts=None)
           "single_use": _js(meta.single_use), "extra": _js(meta.extra), "entries": table_entries,
           "checksum": checksum}
     b = (_MD_PREFIX + json.dumps(md, separators=(",", ":"), ensure_ascii=True) + table + "}").encode()
-    b += b" " * (-len(b) % 8)
+    b += b" " * _padding(entries, len(b))
     return struct.pack("<Q", len(b)) + b
+
+
+_PAGE = 4096
+
+
+def _padding(entries, n: int) -> int:
+    """Spaces after an n-byte header so the data region starts at the file offset (mod a page,
+    and a multiple of 8) that puts the most entry bytes at their capsule page offset. Cold
+    loads of a 4.1 MiB capsule: 0.52 vs 0.66-0.70 ms in the read (bench/README.md, A/B)."""
+    by, pos = {}, 0
+    for e in entries:              # entry i lands at data start + pos: aligned when start = r
+        r = (e.offset - pos) % _PAGE
+        if r % 8 == 0:
+            by[r] = by.get(r, 0) + e.nbytes
+        pos += e.nbytes
+    r = max(by, key=by.get) if by else 0
+    return (r - 8 - n) % _PAGE
 
 
 _PLACEHOLDER = "0" * 16     # the checksum value as hashed: fixed width, so the header keeps its size

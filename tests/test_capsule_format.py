@@ -91,7 +91,7 @@ def test_readable_by_safetensors(saved):
         for e in cap.entries:
             t = f.get_tensor(e.name)
             assert t.dtype == dtype_from_name(e.dtype) and tuple(t.shape) == e.shape
-    assert md["format"] == "flashrt.capsule" and md["version"] == fmt.VERSION == "3"
+    assert md["format"] == "flashrt.capsule" and md["version"] == fmt.VERSION == "4"
     assert md["hash"] == "xxh3/262144"
     assert md["tokens"] == "[100,101,102,103,104]"
     loaded = safetensors.torch.load_file(str(path))
@@ -107,6 +107,14 @@ def test_header_is_padded_and_entries_contiguous(saved):
     assert n % 8 == 0 and raw[8 + n - 1:8 + n] in (b" ", b"}")
     assert len(raw) == 8 + n + cap.nbytes
     assert raw[8 + n:] == b"".join(cap.raw(e).numpy().tobytes() for e in cap.entries)
+
+    def aligned(start):   # entry bytes at their capsule page offset when the data starts there
+        pos, out = start, 0
+        for e in cap.entries:
+            out += e.nbytes if pos % 4096 == e.offset % 4096 else 0
+            pos += e.nbytes
+        return out
+    assert aligned(8 + n) == max(aligned(s) for s in range(0, 4096, 8)) > 0
 
 
 def _expect_corrupt(path, data: bytes, *, match=None):
@@ -165,7 +173,7 @@ def test_wrong_magic_and_version(tmp_path, monkeypatch):
     with monkeypatch.context() as m:          # a consistent file that differs only in these fields
         m.setattr(fmt, "MAGIC", "someone.else")
         flashrt.save_capsule(cap, tmp_path / "magic")
-    for v in ("1", "2"):      # 2: build-dependent weight digests, refused by version
+    for v in ("1", "2", "3"):   # 2: build-dependent weight digests; 3: other header padding
         with monkeypatch.context() as m:
             m.setattr(fmt, "VERSION", v)
             flashrt.save_capsule(cap, tmp_path / f"version{v}")
@@ -174,8 +182,8 @@ def test_wrong_magic_and_version(tmp_path, monkeypatch):
         flashrt.save_capsule(cap, tmp_path / "hash")
     with pytest.raises(CapsuleCorruptError, match="not a FlashRT capsule.*someone.else"):
         fmt.load(tmp_path / "magic")
-    for v in ("1", "2"):
-        with pytest.raises(CapsuleCorruptError, match=f"version '{v}' \\(this build reads '3'\\)"):
+    for v in ("1", "2", "3"):
+        with pytest.raises(CapsuleCorruptError, match=f"version '{v}' \\(this build reads '4'\\)"):
             fmt.load(tmp_path / f"version{v}")
     with pytest.raises(CapsuleCorruptError, match="checksum scheme 'xxh64/65536'"):
         fmt.load(tmp_path / "hash")
@@ -473,12 +481,12 @@ def test_native_path_refusals_name_the_problem(tmp_path, monkeypatch, fast_statu
         with pytest.raises(CapsuleCorruptError, match=match):
             flashrt.load_capsule(bad, into=target)
     with monkeypatch.context() as m:      # consistent files that differ in format fields only
-        m.setattr(fmt, "VERSION", "4")
-        flashrt.save_capsule(cap, tmp_path / "v3")
+        m.setattr(fmt, "VERSION", "5")
+        flashrt.save_capsule(cap, tmp_path / "v5")
     target = _target(cap)
     flashrt.load_capsule(path, into=target)
-    with pytest.raises(CapsuleCorruptError, match="version '4'"):
-        flashrt.load_capsule(tmp_path / "v3", into=target)
+    with pytest.raises(CapsuleCorruptError, match="version '5'"):
+        flashrt.load_capsule(tmp_path / "v5", into=target)
     assert_same(cap, target)              # refused on its header: untouched
     assert fast_statuses[-1] == "not_fast"
 
