@@ -98,8 +98,7 @@ _PAGE = 4096
 
 def _padding(entries, n: int) -> int:
     """Spaces after an n-byte header so the data region starts at the file offset (mod a page,
-    and a multiple of 8) that puts the most entry bytes at their capsule page offset. Cold
-    loads of a 4.1 MiB capsule: 0.52 vs 0.66-0.70 ms in the read (bench/README.md, A/B)."""
+    and a multiple of 8) that puts the most entry bytes at their capsule page offset."""
     by, pos = {}, 0
     for e in entries:              # entry i lands at data start + pos: aligned when start = r
         r = (e.offset - pos) % _PAGE

@@ -99,10 +99,12 @@ class LanguageModel:
             inputs["position_ids"] = position_ids
         rec = ids if hist is None else hist
 
+        a = self.arena
+
         def body(ctx):
-            out = self.net(inputs, ctx, self.arena, all_positions=all_positions)
+            out = self.net(inputs, ctx, a, all_positions=all_positions)
             if commit:
-                record(self.arena, rec, ctx.positions, out["logits"][-1])
+                record(a, rec, ctx.positions, out["logits"][-1])
             return out
         return self.session.step(rec.shape[0], body, commit=commit)
 
