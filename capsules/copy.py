@@ -15,7 +15,7 @@ from flashrt.arena import CAPSULE_KINDS, Arena
 from flashrt.errors import CapsuleMismatchError
 from flashrt.native import SegmentPlan
 
-from .types import FINGERPRINT_KEYS, Capsule, CapsuleMeta, Entry, dtype_name, round_up
+from .types import FINGERPRINT_KEYS, Capsule, CapsuleMeta, Entry, ReadOnlyDict, dtype_name, round_up
 
 _MAX_TABLES = 64      # plan tables kept per arena (one per position snapshotted fresh)
 _MAX_PLANS = 8        # plans kept per capsule buffer
@@ -99,12 +99,13 @@ class Copier:
             self._tables.clear()
         self._tables[key] = table
 
-    def _remember(self, cap: Capsule, key, entries, plan) -> None:
-        """A plan cached on the capsule, valid while this copier (and its arena) is alive."""
+    def _remember(self, cap: Capsule, key, made_for, plan) -> None:
+        """A plan cached on the capsule, valid while this copier (and its arena) is alive and
+        the capsule still matches made_for (its entry table, or more)."""
         plans = cap.copy_cache
         if len(plans) > _MAX_PLANS:
             plans.clear()
-        plans[key] = (weakref.ref(self), entries, plan)
+        plans[key] = (weakref.ref(self), made_for, plan)
 
     # ---- buffers ------------------------------------------------------------------------
     def empty(self, max_tokens: int, fingerprint: dict, pin: bool = False, device=None) -> Capsule:
@@ -182,25 +183,45 @@ class Copier:
     def restore(self, cap: Capsule, kinds: frozenset, chain=None) -> None:
         """Copy the capsule (and, for a delta capsule, its ancestors' rows) into the arena.
         chain: cap.chain(), when the caller has it. Checked by check_fits first."""
+        self._plan(cap, kinds, chain).run()
+
+    def plan_restore(self, cap: Capsule, fingerprint: dict, max_seq_len: int,
+                     kinds: frozenset | None = None) -> tuple[SegmentPlan, list]:
+        """(plan, cap.chain()) to restore cap, checked by check_fits; nothing is written.
+        kinds: those only (default: all it holds). A capsule checked here before, with the same
+        entry table, position and (read-only, so unedited) fingerprint object, is not again."""
+        if isinstance(cap, Capsule) and not cap.is_delta:
+            meta = cap.meta
+            hit = cap.copy_cache.get(("checked", kinds))
+            if hit is not None and hit[0]() is self and \
+                    hit[1] == (cap.entries, meta.fingerprint, meta.position, fingerprint, max_seq_len):
+                return hit[2], [cap]
+        chain = self.check_fits(cap, fingerprint, max_seq_len)
+        seg = self._plan(cap, cap.kinds if kinds is None else kinds & cap.kinds, chain)
+        meta = cap.meta
+        if len(chain) == 1 and type(meta.fingerprint) is ReadOnlyDict:
+            self._remember(cap, ("checked", kinds),
+                           (cap.entries, meta.fingerprint, meta.position, fingerprint, max_seq_len), seg)
+        return seg, chain
+
+    def _plan(self, cap: Capsule, kinds: frozenset, chain) -> SegmentPlan:
         if cap.is_delta:                      # ancestors may be re-attached: plan afresh
-            self._restore_plan(cap, kinds, chain or cap.chain()).run()
-            return
+            return self._restore_plan(cap, kinds, chain or cap.chain())
         entries = cap.entries                 # keyed by the table: a rewritten capsule replans
         key = ("restore", kinds, id(entries))
         hit = cap.copy_cache.get(key)
         if hit is not None and hit[0]() is self and hit[1] is entries:
-            seg = hit[2]
-        else:
-            # another capsule with this very entry table (fresh snapshots share theirs) left its
-            # table here: move it onto this buffer (check_fits bounded the entries by it)
-            t, seg, base = self._tables.get(key), None, cap.data.data_ptr()
-            if t is not None and t[0] is entries:
-                seg = SegmentPlan.from_table(t[1] + base, t[2], t[3], cap.data.device, (cap.data,))
-            if seg is None:
-                seg = self._restore_plan(cap, kinds, [cap])
-                self._keep(key, (entries, seg.src - base, seg.dst, seg.nbytes))
-            self._remember(cap, key, entries, seg)
-        seg.run()
+            return hit[2]
+        # another capsule with this very entry table (fresh snapshots share theirs) left its
+        # table here: move it onto this buffer (check_fits bounded the entries by it)
+        t, seg, base = self._tables.get(key), None, cap.data.data_ptr()
+        if t is not None and t[0] is entries:
+            seg = SegmentPlan.from_table(t[1] + base, t[2], t[3], cap.data.device, (cap.data,))
+        if seg is None:
+            seg = self._restore_plan(cap, kinds, [cap])
+            self._keep(key, (entries, seg.src - base, seg.dst, seg.nbytes))
+        self._remember(cap, key, entries, seg)
+        return seg
 
     # ---- checks -------------------------------------------------------------------------
     def check_fits(self, cap: Capsule, fingerprint: dict, max_seq_len: int) -> list:
@@ -234,22 +255,15 @@ class Copier:
         if pos > max_seq_len:
             raise CapsuleMismatchError(f"capsule position {pos} exceeds this runtime's "
                                        f"max_seq_len {max_seq_len}")
-        # the per-buffer checks depend only on the (immutable) entry table, the arena, the
-        # capacity, the position and the (never rebound) buffer: a table passes them once
-        entries, data, cache = cap.entries, cap.data, cap.copy_cache
-        fits = cache.get("fits")
-        if fits is not None and fits[0] is entries and fits[1]() is self and fits[2] == max_seq_len \
-                and fits[3] == pos:
-            return
         # the same entry table (fresh snapshots share theirs) passed here: only this buffer's
         # size is new to check
+        entries = cap.entries
         t = self._tables.get(("fits", id(entries)))
         if not (t is not None and t[0] is entries and t[1] == max_seq_len and t[2] == pos
-                and data.numel() >= t[3]):
+                and cap.data.numel() >= t[3]):
             self._check_entries(cap)
             end = max((e.offset + e.nbytes for e in entries), default=0)
             self._keep(("fits", id(entries)), (entries, max_seq_len, pos, end))
-        cache["fits"] = (entries, weakref.ref(self), max_seq_len, pos)
 
     def _check_entries(self, cap: Capsule) -> None:
         arena = self.arena

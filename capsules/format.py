@@ -39,7 +39,7 @@ from flashrt.errors import CapsuleCorruptError, CapsuleMismatchError
 from flashrt.native import (hash_blocks, load_known_table, read_blocks_hashed, xxh3_parts,
                             zero_spans)
 
-from .types import ALIGN, Capsule, CapsuleMeta, Entry
+from .types import ALIGN, Capsule, CapsuleMeta, Entry, ReadOnlyDict
 
 # version 3: one sha256-based weights digest whatever the build (2: build-dependent); version 4:
 # page-aligning header padding (3 differs only in it; refused by version, not as non-canonical)
@@ -337,7 +337,8 @@ def _json(s: str):
 
 
 def _meta(md) -> CapsuleMeta:
-    return CapsuleMeta(int(md["position"]), _json(md["fingerprint"]), _json(md["provenance"]),
+    fingerprint = ReadOnlyDict(_json(md["fingerprint"]))     # as a snapshot's: not edited in place
+    return CapsuleMeta(int(md["position"]), fingerprint, _json(md["provenance"]),
                        _json(md["parent"]), _json(md["single_use"]), _json(md["extra"]))
 
 

@@ -82,6 +82,7 @@ class Capsule:
     def __init__(self, data: torch.Tensor, entries, meta: CapsuleMeta, derived: tuple | None = None):
         self.data = data                  # uint8, capacity >= end of the last entry; never rebound
         self._derived = derived           # what the entries setter derives, when already known
+        self._entries = None
         self.entries = entries
         self.meta = meta
         self._claim = threading.Lock()
@@ -98,7 +99,7 @@ class Capsule:
 
     @entries.setter
     def entries(self, entries) -> None:
-        if entries is getattr(self, "_entries", None):
+        if entries is self._entries:
             return                        # snapshot(into=) at a cached position: same table
         if not entries:                   # emptied (a load about to write)
             self._entries, self._by_name, self._nbytes, self._kinds, self._is_delta = _NO_ENTRIES

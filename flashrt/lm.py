@@ -233,12 +233,12 @@ class LanguageModel:
                  parent: Capsule | None = None) -> Capsule:
         """Copy the committed state (see Session.snapshot)."""
         with self._lock:
-            return self.session.snapshot(into, single_use, parent)
+            return self._slot.take(self).snapshot(into, single_use, parent)
 
     def restore(self, cap: Capsule, kinds=None, on_validated=None) -> None:
         """Make the session's state the capsule's; refused, state untouched, unless it fits."""
         with self._lock:
-            self.session.restore(cap, kinds, on_validated)
+            self._slot.take(self).restore(cap, kinds, on_validated)
 
     def empty_capsule(self, max_tokens: int | None = None, host: bool = False) -> Capsule:
         """A preallocated capsule buffer for snapshot(into=) (host=True: for load_capsule(into=)),

@@ -57,21 +57,22 @@ class Sources:
         """The oldest checkpoint's buffer when at the limit (reused for the next one)."""
         return self.checkpoints.pop(0) if len(self.checkpoints) >= self.max_checkpoints else None
 
-    def anchor(self, cap: Capsule) -> None:
+    def anchor(self, cap: Capsule, cid: str) -> None:
+        """cap (whose id is cid) was made from this history: the base, and an ancestor."""
         base, anc = self.base, self.ancestors
         if base is not None and base[0] is cap and anc and anc[-1][0] == base[1]:
-            self.base, anc[-1] = (cap, cap.id), (cap.id, cap.position)   # snapshot(into=) again
+            self.base, anc[-1] = (cap, cid), (cid, cap.position)   # snapshot(into=) again
             return
-        self.base = (cap, cap.id)
-        kept = [a for a in self.ancestors if a[0] != cap.id][-(MAX_ANCHORS - 1):]
-        self.ancestors = kept + [(cap.id, cap.position)]
+        self.base = (cap, cid)
+        kept = [a for a in anc if a[0] != cid][-(MAX_ANCHORS - 1):]
+        self.ancestors = kept + [(cid, cap.position)]
 
     def restored(self, chain) -> None:
         """The state is now chain[-1]'s (its ancestors' rows below): what rollback may use."""
         if self.checkpoints:
             self.checkpoints.clear()
         if len(chain) == 1:                       # the common case, one capsule
-            cap = chain[0]
+            cap, = chain
             cid = cap.id
             self.base, self.ancestors = (cap, cid), [(cid, cap.position)]
             return
@@ -119,8 +120,6 @@ class Sources:
 
 
 def _check_into(into, fingerprint) -> None:
-    if into is None:
-        return
     if not isinstance(into, Capsule):
         raise TypeError(f"snapshot(into=) takes a Capsule (empty_capsule()), got {type(into).__name__}")
     if into.meta.fingerprint is not fingerprint and into.entries and into.meta.fingerprint != fingerprint:
@@ -164,13 +163,10 @@ class Session:
     # ---- position ---------------------------------------------------------------------
     @property
     def position(self) -> int:
-        """Committed positions. The host int is the truth; meta.position mirrors it for the
-        captured bodies and the capsules, written only by _set_position."""
+        """Committed positions: the truth, mirrored (by _set_position) in meta.position."""
         return self._position
 
-    @property
-    def capacity(self) -> int:
-        return self.options.capacity
+    capacity = property(lambda self: self.options.capacity, doc="Per-token rows (max_seq_len).")
 
     def _set_position(self, n: int) -> None:
         self._position = n
@@ -270,13 +266,15 @@ class Session:
         holds, or its (id, position) from ancestors(); the result stores only rows
         [parent position, position) and references it (attached when given as a capsule)."""
         with self._lock:
-            _check_into(into, self.fingerprint)
-            ref, obj = self._sources.parent_ref(parent)
+            if into is not None and not (isinstance(into, Capsule)
+                                         and into.meta.fingerprint is self.fingerprint):
+                _check_into(into, self.fingerprint)
+            ref, obj = self._sources.parent_ref(parent) if parent is not None else (None, None)
             if into is None:    # the new capsule replaces the base: let go of the old one first,
                 self._sources.base = None   # so a dropped one's memory serves the fresh buffer
-            cap = self.copier.snapshot(self._position, self._meta(single_use, ref), into=into,
-                                       parent=obj)
-            self._sources.anchor(cap)
+            meta = self._meta(single_use, ref)
+            cap = self.copier.snapshot(self._position, meta, into=into, parent=obj)
+            self._sources.anchor(cap, meta.extra["id"])
             return cap
 
     def ancestors(self) -> list[tuple]:
@@ -312,15 +310,19 @@ class Session:
                 bad = want - CAPSULE_KINDS
                 if bad:
                     raise ValueError(f"restore(kinds=): unknown or non-capsule kinds {sorted(bad)}")
-            chain = self.copier.check_fits(cap, self.fingerprint, self.capacity)
+            plan, chain = self.copier.plan_restore(cap, self.fingerprint, self.capacity, want)
             if on_validated is not None:
                 on_validated()
             if cap.meta.single_use:
                 cap.claim()                           # validation first, then consume
-            self.copier.restore(cap, cap.kinds if want is None else want & cap.kinds, chain)
+            plan.run()
             self._position = cap.position           # meta.position came with the capsule's bytes
             # a partial restore leaves a mixed state: nothing may build on it
             self._sources.restored(chain if want is None else ())
+
+    def check(self, cap: Capsule) -> None:
+        """Refuse, naming the field, a capsule this session could not restore (see restore)."""
+        self.copier.check_fits(cap, self.fingerprint, self.capacity)
 
     def park(self) -> Parked:
         """Take this history out of the arena (one copy of its state) so that another may use

@@ -30,7 +30,7 @@ class Slot:
 
     def join(self, member, cap: Capsule) -> None:
         """A new member whose state is cap: checked now, restored when it first enters."""
-        self.session.copier.check_fits(cap, self.session.fingerprint, self.session.capacity)
+        self.session.check(cap)
         with self.lock:
             self._away[member] = cap
 
@@ -54,7 +54,8 @@ class Slot:
 
     def take(self, member) -> Session:
         """The session, holding member's state (its turn taken if another member held it)."""
-        if not self.resident(member):
+        r = self._resident                # inline resident(): this runs on every call of a member
+        if r is None or r() is not member:
             self.enter(member)
         return self.session
 

@@ -340,6 +340,30 @@ def test_validation_after_a_passed_restore(runtime):
     assert rt.position == 12
 
 
+def test_fingerprint_edited_in_place_after_a_passed_restore(runtime, tmp_path):
+    """A restore that passed is not checked again only while nothing that decides the check
+    can change: a plain-dict fingerprint edited in place is checked anew; a loaded capsule's
+    fingerprint is read-only, like a snapshot's."""
+    rt = runtime("qwen3")
+    rt.prefill(_ids(10, 24))
+    cap = rt.snapshot()
+    cap.meta.fingerprint = dict(rt.fingerprint)
+    rt.restore(cap)
+    rt.prefill(_ids(2, 25))
+    before = rt.arena.data.clone()
+    cap.meta.fingerprint["weights"] = "0" * 16
+    with pytest.raises(flashrt.CapsuleMismatchError, match="weights"):
+        rt.restore(cap)
+    assert torch.equal(rt.arena.data, before) and rt.position == 12
+    flashrt.save_capsule(rt.snapshot(), tmp_path / "c.cap")
+    loaded = flashrt.load_capsule(tmp_path / "c.cap")
+    with pytest.raises(TypeError, match="read-only"):
+        loaded.meta.fingerprint["weights"] = "0" * 16
+    rt.restore(loaded)
+    rt.restore(loaded)
+    assert rt.position == 12
+
+
 def test_shared_metadata_is_read_only(runtime):
     """Snapshots share the session's fingerprint and provenance (no copies): editing them in
     place is refused, so one capsule can never change another's; provenance records the
