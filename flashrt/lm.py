@@ -359,6 +359,15 @@ class StepGraphs:
         self.bodies = CapturedBodies()
         if capture:
             self.bodies.capture(self.fns, lambda fn: self.session.preserving_state(fn, self.max_size))
+        self._extensions: dict = {}
+
+    def extension(self, key: str, make, usable=lambda ext: True):
+        """A body set another layer builds over this arena (speculative decoding's verify and
+        draft steps): make(session) runs once (again when not usable), every member shares it."""
+        ext = self._extensions.get(key)
+        if ext is None or not usable(ext):
+            ext = self._extensions[key] = make(self.session)
+        return ext
 
     def call(self, key) -> None:
         if self.captured:

@@ -39,41 +39,43 @@ MODES = ("mtp", "draft")
 
 # ---- steps: eager, static (graph body run eagerly), or captured ---------------------------------
 class EagerSteps:
-    """Main all-position step (not committed) and draft-head step, eager (host positions)."""
+    """Main all-position step (not committed) and draft-head step, eager (host positions), over
+    a session's arena: its caller holds the arena (forks sharing it take turns: slots.py)."""
 
-    def __init__(self, rt):
-        self.rt, self.net = rt, rt.net
+    def __init__(self, net, session):
+        self.net, self.session = net, session
 
     def main(self, ids: torch.Tensor, all_logits: bool = True):
-        """Run len(ids) positions at rt.position WITHOUT committing them. Returns
+        """Run len(ids) positions at the session's position WITHOUT committing them. Returns
         (hidden (T, H), float32 logits (T, V), or (1, V) if not all_logits)."""
-        net, a = self.net, self.rt.arena
+        net, a = self.net, self.session.arena
 
         def body(ctx):
             out = net({"ids": ids}, ctx, a, all_positions=True)
             return out["hidden"], out["logits"].float() if all_logits else out["logits"][-1:].float()
-        return self.rt.session.step(ids.shape[0], body, commit=False)
+        return self.session.step(ids.shape[0], body, commit=False)
 
     def draft(self, tokens: torch.Tensor, hidden: torch.Tensor, row0: int):
         """Draft head over pairs at rows row0.. (writes its rows there). (logits, hidden)."""
         T = tokens.shape[0]
         ctx = StepCtx(T, torch.arange(row0, row0 + T, device=tokens.device), start=row0)
-        return self.net.draft(tokens, hidden, ctx, self.rt.arena)
+        return self.net.draft(tokens, hidden, ctx, self.session.arena)
 
 
 class SpecSteps(EagerSteps):
     """Graph-safe bodies (positions on device, full-capacity masked attention) for T <= max_T;
     capture=True (CUDA) records one graph per size and kind, capture=False runs the same
-    bodies eagerly (how the CPU tests check them). Larger sizes fall back to eager."""
+    bodies eagerly (how the CPU tests check them). Larger sizes fall back to eager. The bodies
+    read only the arena and these buffers: forks sharing the arena share one set (steps_for)."""
 
-    def __init__(self, rt, max_T: int, capture: bool):
-        super().__init__(rt)
-        dev, hid = rt.model.device, rt.net.config.hidden_size
-        self.max_T = min(max_T, rt.options.prefill_chunk)
+    def __init__(self, net, session, max_T: int, capture: bool):
+        super().__init__(net, session)
+        dev = session.device
+        self.max_T = min(max_T, session.options.max_step)
         self.m_tok = torch.zeros(self.max_T, dtype=torch.int64, device=dev)
-        self.m_hid = torch.zeros(self.max_T, hid, dtype=rt.model.dtype, device=dev)
+        self.m_hid = torch.zeros(self.max_T, net.config.hidden_size, dtype=session.dtype, device=dev)
         self.m_pos = torch.zeros(1, dtype=torch.int64, device=dev)
-        self.ids = rt.arena["io.ids"]
+        self.ids = session.arena["io.ids"]
         self.graphs = CapturedBodies()
         if capture:
             bodies = {key: (lambda key=key: self.run_body(*key)) for key in self.bodies()}
@@ -82,22 +84,22 @@ class SpecSteps(EagerSteps):
     def preserving_state(self, fn):
         """Warm-up/capture runs the bodies for real: at the session's scratch window (the draft
         bodies too), with the state put back afterwards."""
-        a = self.rt.arena
+        a = self.session.arena
 
         def at_scratch():
             self.m_pos.copy_(a["meta.position"])
             return fn()
-        return self.rt.session.preserving_state(at_scratch, self.max_T)
+        return self.session.preserving_state(at_scratch, self.max_T)
 
     def _main_body(self, T):
-        out = self.net({"ids": self.ids[:T]}, self.rt.session.static_ctx(T), self.rt.arena,
+        out = self.net({"ids": self.ids[:T]}, self.session.static_ctx(T), self.session.arena,
                        all_positions=True)
         return out["hidden"], out["logits"].float()
 
     def _draft_body(self, T):
         pos = self.m_pos + torch.arange(T, device=self.m_pos.device)
-        return self.net.draft(self.m_tok[:T], self.m_hid[:T], self.rt.session.static_ctx(T, pos),
-                              self.rt.arena)
+        return self.net.draft(self.m_tok[:T], self.m_hid[:T], self.session.static_ctx(T, pos),
+                              self.session.arena)
 
     def main(self, ids, all_logits=True):
         T = ids.shape[0]
@@ -145,15 +147,20 @@ class Speculator:
 
     def use_static_steps(self, max_T: int, capture: bool = False) -> SpecSteps:
         """Run the graph-safe bodies (capture=False: eagerly, as CPU tests check them)."""
-        self.steps = SpecSteps(self.rt, max_T, capture)
+        self.steps = SpecSteps(self.rt.net, self.rt.session, max_T, capture)
         return self.steps
 
     def steps_for(self, k: int):
+        """Steps for k drafts. With graph bodies: the set over this arena, made (on CUDA:
+        captured) once and shared with the forks that take turns in it."""
         rt, s = self.rt, self.steps
-        if rt.graphs is not None and (not isinstance(s, SpecSteps) or s.max_T < k + 1):
-            s = self.steps = SpecSteps(rt, k + 1, capture=rt.graphs.captured)
+        graphs = rt.graphs
+        if graphs is not None and (not isinstance(s, SpecSteps) or s.max_T < k + 1):
+            s = self.steps = graphs.extension(
+                "speculative", lambda session: SpecSteps(rt.net, session, k + 1, graphs.captured),
+                usable=lambda steps: steps.max_T >= k + 1)
         elif s is None:
-            s = self.steps = EagerSteps(rt)
+            s = self.steps = EagerSteps(rt.net, rt.session)
         return s
 
     @torch.no_grad()

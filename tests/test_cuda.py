@@ -127,3 +127,18 @@ def test_fork_shares_captured_graphs(arch, ckpt):
         got_c.append(child.decode(t))
         got_p.append(parent.decode(t))
     assert torch.equal(torch.stack(got_p), want) and torch.equal(torch.stack(got_c), want)
+
+
+def test_fork_shares_captured_speculative_bodies(ckpt):
+    """The verify and draft graphs are captured once per arena: a fork's speculative call
+    replays the parent's, bitwise like a session that captured its own."""
+    parent, ref = _load(ckpt, "qwen3_5", True), _load(ckpt, "qwen3_5", True)
+    parent.prefill(_ids(17, 30))
+    ref.prefill(_ids(17, 30))
+    child = parent.fork()
+    got_p = parent.generate(max_new_tokens=8, speculative="mtp", draft_tokens=2)
+    got_c = child.generate(max_new_tokens=8, speculative="mtp", draft_tokens=2)
+    want = ref.generate(max_new_tokens=8, speculative="mtp", draft_tokens=2)
+    assert child.speculation().steps is parent.speculation().steps
+    assert got_p == got_c == want
+    assert torch.equal(state_bytes(child), state_bytes(ref))

@@ -111,3 +111,29 @@ def test_share_defaults_to_captured_graphs_only(runtime):
     with pytest.raises(CapsuleMismatchError):
         rt.fork(other.snapshot(), share=True)
     assert rt.position == 10
+
+
+def test_shared_fork_reuses_the_speculative_bodies(runtime):
+    """Speculative decoding's verify and draft bodies (captured per size on CUDA) are made once
+    per arena: a fork that shares it drafts with the same set, and both members' tokens and
+    states are bitwise those of sessions that ran alone."""
+    def alone(prompt_seed, seed):
+        rt = _graph_rt(runtime, "qwen3_5")
+        rt.prefill(_ids(14, 20))
+        rt.seed(seed)
+        out = rt.generate(_ids(3, prompt_seed), max_new_tokens=6, temperature=1.0,
+                          speculative="mtp", draft_tokens=2)
+        return out, state_bytes(rt)
+
+    parent = _graph_rt(runtime, "qwen3_5")
+    parent.prefill(_ids(14, 20))
+    child = parent.fork(seed=8, share=True)
+    parent.seed(7)
+    got = {7: parent.generate(_ids(3, 21), max_new_tokens=6, temperature=1.0,
+                              speculative="mtp", draft_tokens=2)}
+    got[8] = child.generate(_ids(3, 22), max_new_tokens=6, temperature=1.0,
+                            speculative="mtp", draft_tokens=2)
+    assert child.speculation().steps is parent.speculation().steps
+    for seed, prompt_seed, rt in ((7, 21, parent), (8, 22, child)):
+        want = alone(prompt_seed, seed)
+        assert got[seed] == want[0] and torch.equal(state_bytes(rt), want[1])

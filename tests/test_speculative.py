@@ -434,7 +434,7 @@ def test_graph_warm_up_leaves_the_state_as_it_was(runtime):
     rt = runtime(ARCH, max_seq_len=PROMPT + 6)
     rt.generate(_ids(PROMPT, seed=10), max_new_tokens=4, ignore_eos=True, speculative="mtp")
     before = rt.snapshot()
-    steps = spec.SpecSteps(rt, max_T=5, capture=False)
+    steps = spec.SpecSteps(rt.net, rt.session, max_T=5, capture=False)
     assert len(steps.bodies()) == 10
     with torch.no_grad():
         steps.preserving_state(lambda: [steps.run_body(k, T) for k, T in steps.bodies()])
