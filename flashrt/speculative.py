@@ -154,11 +154,11 @@ class Speculator:
         """Steps for k drafts. With graph bodies: the set over this arena, made (on CUDA:
         captured) once and shared with the forks that take turns in it."""
         rt, s = self.rt, self.steps
-        graphs = rt.graphs
-        if graphs is not None and (not isinstance(s, SpecSteps) or s.max_T < k + 1):
+        graphs, need = rt.graphs, min(k + 1, rt.options.prefill_chunk)   # SpecSteps' max_T cap
+        if graphs is not None and (not isinstance(s, SpecSteps) or s.max_T < need):
             s = self.steps = graphs.extension(
-                "speculative", lambda session: SpecSteps(rt.net, session, k + 1, graphs.captured),
-                usable=lambda steps: steps.max_T >= k + 1)
+                "speculative", lambda session: SpecSteps(rt.net, session, need, graphs.captured),
+                usable=lambda steps: steps.max_T >= need)
         elif s is None:
             s = self.steps = EagerSteps(rt.net, rt.session)
         return s

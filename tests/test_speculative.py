@@ -428,6 +428,19 @@ def test_static_bodies_match_eager(runtime, plain_ref):
     _check_state(rt, runtime(ARCH))
 
 
+def test_graph_bodies_made_once_when_drafts_exceed_the_step_cap(runtime):
+    """k + 1 verify positions beyond prefill_chunk: the bodies are capped there, and the capped
+    set serves every later call (on CUDA a new set is a capture of every size)."""
+    from flashrt.lm import use_graph_bodies
+    rt = runtime(ARCH, prefill_chunk=2)
+    use_graph_bodies(rt)
+    rt.generate(_ids(PROMPT, seed=12), max_new_tokens=4, ignore_eos=True, speculative="mtp",
+                draft_tokens=3)
+    steps = rt.speculation().steps
+    rt.generate(max_new_tokens=4, ignore_eos=True, speculative="mtp", draft_tokens=3)
+    assert steps.max_T == 2 and rt.speculation().steps is steps
+
+
 def test_graph_warm_up_leaves_the_state_as_it_was(runtime):
     """Capturing mid-session runs every body once for real (warm-up); near max_seq_len the
     scratch rows overlap committed rows. Whatever ran, the state is put back byte for byte."""
