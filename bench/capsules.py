@@ -47,6 +47,8 @@ def parse(argv):
     p.add_argument("--mib", type=float, nargs="+", default=None,
                    help="target capsule sizes in MiB (default 1 4 16 64 256, on CUDA 1 16 256 1024; "
                    "1 4 in --quick)")
+    p.add_argument("--tokens", type=int, nargs="+", default=[],
+                   help="also capsules of exactly these positions (e.g. 16384: a 16k-token state)")
     p.add_argument("--tmpdir", default=None, help="directory for the disk tier (default: system temp)")
     p.add_argument("--no-disk", action="store_true", help="skip the disk tier")
     a = p.parse_args(argv)
@@ -127,7 +129,7 @@ def bench_arch(arch, a, tmp, tables, quick_note):
     # CUDA graphs: this bench never steps the model, and only copies are timed.
     probe = C.load_flashrt(path, a, max_seq_len=1, cuda_graphs=False)
     fixed, per_tok = probe.arena.fixed_state_bytes, probe.arena.per_token_bytes
-    pos_list = positions_for(fixed, per_tok, a.mib)
+    pos_list = sorted(set(positions_for(fixed, per_tok, a.mib)) | set(a.tokens))
     rt = type(probe)(probe.model, dataclasses.replace(probe.options, max_seq_len=max(pos_list)))
     del probe
     C.free_memory()

@@ -103,6 +103,7 @@ def flashrt_cases(a, ckpt: Path, obs: dict, noise) -> tuple[dict, dict]:
     start = pol.snapshot()
     fp = {k: v for k, v in pol.fingerprint.items() if k != "layout"}
     nograd = lambda f: torch.no_grad()(f)  # noqa: E731
+    dev_noise = noise.to(pol.device, torch.float32)     # as Policy does for predict_action_chunk
 
     def control():
         pol.restore(start)
@@ -111,7 +112,7 @@ def flashrt_cases(a, ckpt: Path, obs: dict, noise) -> tuple[dict, dict]:
         "vision": C.Case(nograd(lambda: net.embed_images(inp["pixels"]))),
         "prefix": C.Case(nograd(lambda: net.fill_prefix(net.embed_images(inp["pixels"]), inp["tokens"],
                                                         inp["token_mask"], inp["state"], arena))),
-        "denoise": C.Case(nograd(lambda: net.denoise(noise, arena))),
+        "denoise": C.Case(nograd(lambda: net.denoise(dev_noise, arena))),
         "chunk": C.Case(lambda: pol.predict_action_chunk(obs, noise)),
         "control": C.Case(control),
         "reset": C.Case(lambda: pol.restore(start), inner=20),

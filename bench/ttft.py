@@ -273,9 +273,13 @@ def _same(b: bool) -> str:
 
 
 def plot(results, path, a) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    try:                  # optional: a machine without it still gets the JSON and the tables
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"no plot: matplotlib is not installed ({path} not written)")
+        return
     n = len(results)
     fig, axes = plt.subplots(1, n, figsize=(4.2 * n, 3.6), squeeze=False)
     series = [("flashrt_cold", "flashrt cold", "C0", "--"), ("flashrt_capsule", "flashrt capsule", "C0", "-"),

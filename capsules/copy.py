@@ -213,13 +213,16 @@ class Copier:
         if hit is not None and hit[0]() is self and hit[1] is entries:
             return hit[2]
         # another capsule with this very entry table (fresh snapshots share theirs) left its
-        # table here: move it onto this buffer (check_fits bounded the entries by it)
-        t, seg, base = self._tables.get(key), None, cap.data.data_ptr()
+        # table here: move it onto this buffer (check_fits bounded the entries by it). Tables
+        # are raw addresses on one device: a host capsule into a device arena plans from views
+        local, seg, base = _same_device(cap.device, self.arena.device), None, cap.data.data_ptr()
+        t = self._tables.get(key) if local else None
         if t is not None and t[0] is entries:
             seg = SegmentPlan.from_table(t[1] + base, t[2], t[3], cap.data.device, (cap.data,))
         if seg is None:
             seg = self._restore_plan(cap, kinds, [cap])
-            self._keep(key, (entries, seg.src - base, seg.dst, seg.nbytes))
+            if local:
+                self._keep(key, (entries, seg.src - base, seg.dst, seg.nbytes))
         self._remember(cap, key, entries, seg)
         return seg
 

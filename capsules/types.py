@@ -194,8 +194,10 @@ class Capsule:
         if device.type == self.device.type and (device.index is None or device == self.device):
             return self
         pin = device.type == "cpu" and torch.cuda.is_available()
-        data = torch.empty(self.data.numel(), dtype=torch.uint8, device=device, pin_memory=pin)
-        data.copy_(self.data)
+        # the entries' bytes only: a snapshot(into=) buffer may be sized for far more positions
+        end = max((e.offset + e.nbytes for e in self.entries), default=0)
+        data = torch.empty(end, dtype=torch.uint8, device=device, pin_memory=pin)
+        data.copy_(self.data[:end])
         if self.device.type == "cuda" or device.type == "cuda":
             torch.cuda.synchronize()
         out = Capsule(data, list(self.entries), replace(self.meta))

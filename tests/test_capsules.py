@@ -364,6 +364,20 @@ def test_fingerprint_edited_in_place_after_a_passed_restore(runtime, tmp_path):
     assert rt.position == 12
 
 
+def test_moved_capsule_holds_only_its_entries(runtime):
+    """Capsule.to copies the entries' bytes, not the spare capacity of a snapshot(into=) buffer
+    sized for every position (a 1 MiB state in a 1 GiB buffer moves 1 MiB)."""
+    rt = runtime("qwen3")
+    rt.prefill(_ids(6, 40))
+    big = rt.empty_capsule()
+    cap = rt.snapshot(into=big)
+    end = max(e.offset + e.nbytes for e in cap.entries)
+    moved = cap.to("meta")
+    assert end < big.data.numel() and moved.data.numel() == end and moved.device.type == "meta"
+    assert [e.name for e in moved.entries] == [e.name for e in cap.entries]
+    assert moved.position == cap.position and moved.meta is not cap.meta
+
+
 def test_shared_metadata_is_read_only(runtime):
     """Snapshots share the session's fingerprint and provenance (no copies): editing them in
     place is refused, so one capsule can never change another's; provenance records the
