@@ -121,7 +121,7 @@ def plain_read(buf, path) -> None:
             mv = mv[n:]
 
 
-def bench_arch(arch, a, tmp, tables, quick_note):
+def bench_arch(arch, a, tmp, tables, quick_note, on_size=None):
     import torch
     path = C.checkpoint(arch, a.size)
     lab = C.label(arch, a.size)
@@ -163,6 +163,8 @@ def bench_arch(arch, a, tmp, tables, quick_note):
     # load(into=) reads files into host memory (pinned on CUDA machines); restore copies it on
     load_target = rt.session.empty_capsule(max(pos_list), host=True) if not a.no_disk else None
     rows = []
+    # registered before the sizes run: a partial write (on_size) carries the rows done so far
+    tables += [mem] + ([hst] if cuda else []) + ([] if a.no_disk else [dsk])
     for P in C.progress(pos_list, desc=f"{arch} sizes"):
         synthesize(rt, P)
         probe_cap = rt.snapshot(into=pre)
@@ -192,6 +194,8 @@ def bench_arch(arch, a, tmp, tables, quick_note):
             "empty_copy": C.Case(lambda: torch.empty(nb, dtype=torch.uint8, device=dev).copy_(s)),
         }, a.repeats, a.warmup, a.device, desc=f"{arch} {C.fmt_bytes(nb)} fresh"))
         rt.snapshot(into=pre)
+        rt.arena.data.bitwise_not_()       # every byte changed: the restore must write all back
+        rt.restore(pre)
         row["restore_exact"] = same_bytes(rt, pre)
         row["device"] = {k: v for k, v in st.items()}
         pc = st["plain_copy"]
@@ -226,11 +230,12 @@ def bench_arch(arch, a, tmp, tables, quick_note):
         if not a.no_disk:
             cap_file, plain_file = tmp / f"{arch}-{P}.capsule", tmp / f"{arch}-{P}.plain"
             cb = cpu_buf[:nb]
-            rt.snapshot(into=pre)
+            # on CUDA save from a host copy made once: the disk tier times the file, not D2H
+            disk_src = rt.snapshot(into=pre).to("cpu")
             holder = {}
 
             def save():
-                flashrt.save_capsule(pre, cap_file)
+                flashrt.save_capsule(disk_src, cap_file)
 
             def load_into():
                 holder["cap"] = flashrt.load_capsule(cap_file, into=load_target)
@@ -261,10 +266,12 @@ def bench_arch(arch, a, tmp, tables, quick_note):
                     st["save"].ms(2), _flag(r1, nb), C.fmt_ratio(r3), st["plain_read"].ms(2),
                     st["load"].ms(2), _flag(r2, nb), st["load_fresh"].ms(2),
                     f"{nb / st['save'].median / 1e6:.0f}")
-            del holder
+            del holder, disk_src
             for f in (cap_file, plain_file):
                 f.unlink(missing_ok=True)
         rows.append(row)
+        if on_size is not None:
+            on_size({"arch": arch, "size": a.size, "rows": rows, "partial": True})
 
     exact = all(r["restore_exact"] for r in rows) and all(r.get("load_exact", True) for r in rows)
     mem.notes += [f"ratio = flashrt / plain copy of the same bytes; target <= {TARGET_RATIO}x for "
@@ -289,16 +296,12 @@ def bench_arch(arch, a, tmp, tables, quick_note):
                   "atomic write = the crash-safe floor: write a temp file + fsync + rename + "
                   "directory fsync; ratio = flashrt / plain ('!' > 1.5x at >= 1 MiB), vs atomic = "
                   "save / atomic write"]
-    tables.append(mem)
     if cuda:
         hst.notes.append("to(cpu) allocates a fresh pinned buffer per call; plain copies use "
                          "preallocated pinned memory")
-        tables.append(hst)
     else:
         quick_note.append(f"{lab}: host tier = device tier on a CPU device (the arena already "
                           "lives in host memory); not measured separately")
-    if not a.no_disk:
-        tables.append(dsk)
     out = {"arch": arch, "size": a.size, "checkpoint": C.short_path(path), "fixed_state_bytes": fixed,
            "per_token_bytes": per_tok, "rows": rows, "all_exact": exact}
     del rt, pre, src, dst, host, cpu_buf, load_target, evict
@@ -322,13 +325,19 @@ def main(argv=None) -> int:
         a.mib = [m for m in a.mib if m < 2] or [1]
     tmp = Path(tempfile.mkdtemp(prefix="flashrt-bench-", dir=a.tmpdir))
     tables, results, notes = [], [], []
+    data = {"targets_mib": a.mib, "tokens": a.tokens, "repeats": a.repeats, "warmup": a.warmup,
+            "size": a.size, "target_ratio": TARGET_RATIO, "synthesized": True}
     try:
         for arch in a.archs:
             if not C.arch_available(arch):
                 print(f"{arch}: model file not present in this checkout, skipped")
                 continue
             n0 = len(tables)
-            results.append(bench_arch(arch, a, tmp, tables, notes))
+
+            def partial(out):     # a run cut short (gpu_check's time caps) keeps what it measured
+                C.write_json("capsules", a, info, tables, dict(data, results=results + [out],
+                                                               partial=True), argv)
+            results.append(bench_arch(arch, a, tmp, tables, notes, partial))
             C.print_tables(tables[n0:])
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -336,9 +345,7 @@ def main(argv=None) -> int:
         print(n)
     if tables:
         tables[-1].notes += notes
-    data = {"targets_mib": a.mib, "repeats": a.repeats, "warmup": a.warmup, "size": a.size,
-            "target_ratio": TARGET_RATIO, "synthesized": True, "results": results}
-    C.write_json("capsules", a, info, tables, data, argv)
+    C.write_json("capsules", a, info, tables, dict(data, results=results), argv)
     return 0 if all(r["all_exact"] for r in results) else 1
 
 

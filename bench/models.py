@@ -10,6 +10,7 @@ context (transformers: its own cache object via past_key_values, use_cache=True)
 """
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -97,6 +98,21 @@ def bench_arch(arch, a, tables):
     res["decode"] = {"context": ctx, "steps": a.decode_steps, "flashrt": stf, "transformers": sth,
                      "ratio": r, "max_abs_logit_diff_last_step": diff}
     t.add(f"decode step @{ctx}", stf.ms(), sth.ms(), C.fmt_ratio(r), f"{diff:.2e}")
+    if rt.graphs is not None and rt.graphs.captured:     # graph replay against eager, same weights
+        eager = type(rt)(rt.model, dataclasses.replace(rt.options, cuda_graphs=False))
+        ste, e = C.Stats(), {"l": eager.prefill(ids)}
+
+        def e_step():
+            e["l"] = eager.decode(int(e["l"].argmax()))
+        for i in range(a.warmup + a.decode_steps):
+            d, _ = C.time_once(e_step, a.device)
+            if i >= a.warmup:
+                ste.samples.append(d)
+        res["decode_eager"] = ste
+        t.add(f"decode step @{ctx}, eager (no graphs)", ste.ms(), sth.ms(),
+              C.fmt_ratio(C.ratio(ste, sth)), "")
+        t.notes.append(f"graph replay / eager decode: {C.fmt_ratio(C.ratio(stf, ste))}")
+        del eager
     t.notes.append("ratio < 1: flashrt faster; max |dlogit|: largest logit difference between the "
                    "two systems on the same input (a sanity check, not a timing)")
     t.notes.append(f"weights: {C.short_path(path)} (random)")

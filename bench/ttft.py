@@ -151,7 +151,7 @@ class LlamaPath:
 
 
 # ---- one model ----------------------------------------------------------------------------------
-def bench_model(arch, size, a, table, llama_rows):
+def bench_model(arch, size, a, table, llama_rows, on_point=None):
     import torch
     path = C.checkpoint(arch, size)
     lab = C.label(arch, size)
@@ -261,11 +261,22 @@ def bench_model(arch, size, a, table, llama_rows):
         out["llama"] = why or "ran"
         table.add(*row)
         out["points"].append(pt)
+        if on_point is not None:
+            on_point(out)
         del cap, got, cases
         C.free_memory()
     del rt, hf, llama
     C.free_memory()
     return out
+
+
+def _hybrid_kernels_note(device: str) -> str:
+    import importlib.util
+    if all(importlib.util.find_spec(m) for m in ("fla", "causal_conv1d")):
+        return ("hybrid layers: flash-linear-attention / causal-conv1d installed; transformers "
+                "uses them, flashrt for bf16/fp16 on CUDA")
+    return ("hybrid layers: flash-linear-attention / causal-conv1d not installed; transformers and "
+            f"flashrt both run their PyTorch reference kernels (on {device})")
 
 
 def _same(b: bool) -> str:
@@ -316,16 +327,20 @@ def main(argv=None) -> int:
                f"same {a.gen} tok", "flashrt/tf cold", "flashrt/tf reuse"]
     table = C.Table(f"TTFT ({a.device}, {a.dtype}, suffix {a.suffix} tokens)", headers)
     llama_rows, results = [], []
+    data = {"prefixes": a.prefix, "suffix": a.suffix, "gen": a.gen, "repeats": a.repeats,
+            "warmup": a.warmup, "llama_cpp_installed": llama_installed()}
+
+    def partial(out):         # after every prefix: a run cut short (gpu_check) keeps its points
+        C.write_json("ttft", a, info, [table], dict(data, results=results + [out], partial=True), argv)
     for arch, size in a.configs:
         if not C.arch_available(arch):
             print(f"{arch}: model file not present in this checkout, skipped")
             continue
-        results.append(bench_model(arch, size, a, table, llama_rows))
+        results.append(bench_model(arch, size, a, table, llama_rows, partial))
     table.notes += ["speedup = cold / reuse for the same system; flashrt/tf < 1: flashrt faster",
                     f"same {a.gen} tok: the reuse path's first {a.gen} greedy tokens equal its own cold "
                     "path's; for flashrt also whether the first-token logits are bitwise equal",
-                    "transformers' hybrid layers run its reference PyTorch kernels on CPU "
-                    "(flash-linear-attention / causal-conv1d not installed), and so do flashrt's"]
+                    _hybrid_kernels_note(a.device)]
     tables = [table]
     lt = C.Table(f"llama.cpp on the same checkpoint (GGUF, {a.dtype} weights and KV cache; "
                  "sequence-state API into a preallocated buffer)",
@@ -340,9 +355,7 @@ def main(argv=None) -> int:
     tables.append(lt)
     C.print_tables(tables)
     print(C.RANDOM_NOTE)
-    data = {"prefixes": a.prefix, "suffix": a.suffix, "gen": a.gen, "repeats": a.repeats,
-            "warmup": a.warmup, "llama_cpp_installed": llama_installed(), "results": results}
-    C.write_json("ttft", a, info, tables, data, argv)
+    C.write_json("ttft", a, info, tables, dict(data, results=results), argv)
     if results:
         png = Path(a.plot) if a.plot else C.result_path("ttft", a).with_suffix(".png")
         plot(results, png, a)
