@@ -271,7 +271,7 @@ def bench_arch(arch, a, tmp, tables, quick_note, on_size=None):
                 f.unlink(missing_ok=True)
         rows.append(row)
         if on_size is not None:
-            on_size({"arch": arch, "size": a.size, "rows": rows, "partial": True})
+            on_size({"arch": arch, "size": a.size, "rows": rows})
 
     exact = all(r["restore_exact"] for r in rows) and all(r.get("load_exact", True) for r in rows)
     mem.notes += [f"ratio = flashrt / plain copy of the same bytes; target <= {TARGET_RATIO}x for "

@@ -190,18 +190,17 @@ class Copier:
         """(plan, cap.chain()) to restore cap, checked by check_fits; nothing is written.
         kinds: those only (default: all it holds). A capsule checked here before, with the same
         entry table, position and (read-only, so unedited) fingerprint object, is not again."""
+        made_for = None
         if isinstance(cap, Capsule) and not cap.is_delta:
             meta = cap.meta
+            made_for = (cap.entries, meta.fingerprint, meta.position, fingerprint, max_seq_len)
             hit = cap.copy_cache.get(("checked", kinds))
-            if hit is not None and hit[0]() is self and \
-                    hit[1] == (cap.entries, meta.fingerprint, meta.position, fingerprint, max_seq_len):
+            if hit is not None and hit[0]() is self and hit[1] == made_for:
                 return hit[2], [cap]
         chain = self.check_fits(cap, fingerprint, max_seq_len)
         seg = self._plan(cap, cap.kinds if kinds is None else kinds & cap.kinds, chain)
-        meta = cap.meta
-        if len(chain) == 1 and type(meta.fingerprint) is ReadOnlyDict:
-            self._remember(cap, ("checked", kinds),
-                           (cap.entries, meta.fingerprint, meta.position, fingerprint, max_seq_len), seg)
+        if made_for is not None and type(made_for[1]) is ReadOnlyDict:
+            self._remember(cap, ("checked", kinds), made_for, seg)
         return seg, chain
 
     def _plan(self, cap: Capsule, kinds: frozenset, chain) -> SegmentPlan:
@@ -265,8 +264,7 @@ class Copier:
         if not (t is not None and t[0] is entries and t[1] == max_seq_len and t[2] == pos
                 and cap.data.numel() >= t[3]):
             self._check_entries(cap)
-            end = max((e.offset + e.nbytes for e in entries), default=0)
-            self._keep(("fits", id(entries)), (entries, max_seq_len, pos, end))
+            self._keep(("fits", id(entries)), (entries, max_seq_len, pos, cap.end))
 
     def _check_entries(self, cap: Capsule) -> None:
         arena = self.arena

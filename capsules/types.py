@@ -127,6 +127,11 @@ class Capsule:
         return self._nbytes
 
     @property
+    def end(self) -> int:
+        """End of the last entry: the bytes of the buffer this capsule uses."""
+        return max((e.offset + e.nbytes for e in self._entries), default=0)
+
+    @property
     def id(self) -> str:
         return self.meta.extra.get("id", "")
 
@@ -195,7 +200,7 @@ class Capsule:
             return self
         pin = device.type == "cpu" and torch.cuda.is_available()
         # the entries' bytes only: a snapshot(into=) buffer may be sized for far more positions
-        end = max((e.offset + e.nbytes for e in self.entries), default=0)
+        end = self.end
         data = torch.empty(end, dtype=torch.uint8, device=device, pin_memory=pin)
         data.copy_(self.data[:end])
         if self.device.type == "cuda" or device.type == "cuda":

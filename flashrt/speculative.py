@@ -123,6 +123,11 @@ class SpecSteps(EagerSteps):
             return logits.clone(), h.clone()
         return self._draft_body(T)
 
+    def serves(self, k: int) -> bool:
+        """Whether these bodies cover a round of k drafts (k + 1 verify positions, capped as
+        in __init__: longer rounds run eagerly past the cap)."""
+        return self.max_T >= min(k + 1, self.session.options.max_step)
+
     def bodies(self) -> list:
         """(kind, T) of every body this object captures, smallest first per kind."""
         out = [("main", T) for T in range(1, self.max_T + 1)]
@@ -154,11 +159,11 @@ class Speculator:
         """Steps for k drafts. With graph bodies: the set over this arena, made (on CUDA:
         captured) once and shared with the forks that take turns in it."""
         rt, s = self.rt, self.steps
-        graphs, need = rt.graphs, min(k + 1, rt.options.prefill_chunk)   # SpecSteps' max_T cap
-        if graphs is not None and (not isinstance(s, SpecSteps) or s.max_T < need):
+        graphs = rt.graphs
+        if graphs is not None and not (isinstance(s, SpecSteps) and s.serves(k)):
             s = self.steps = graphs.extension(
-                "speculative", lambda session: SpecSteps(rt.net, session, need, graphs.captured),
-                usable=lambda steps: steps.max_T >= need)
+                "speculative", lambda session: SpecSteps(rt.net, session, k + 1, graphs.captured),
+                usable=lambda steps: steps.serves(k))
         elif s is None:
             s = self.steps = EagerSteps(rt.net, rt.session)
         return s
