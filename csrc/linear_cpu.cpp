@@ -1,18 +1,22 @@
 // y = x w^T for a few rows of x (float32, AVX2 + FMA): the projections of a
 // short step (a 16-token user turn after a capsule restore, a speculative
-// verify of k+1 tokens). At M = 2..32 oneDNN's and MKL's GEMMs run far below
-// both the memory and the FMA limit (measured on a 2-core EPYC, (3584, 1024)
-// weights streamed from DRAM: 5-6 GB/s of weights at M = 16, against 12-14
-// GB/s at M = 1), because they pack the weights per call. Here every weight
-// row is read once, straight from its (out, in) layout, and reused for all
-// rows of x from L1: a 3 x 4 tile of dot products keeps 12 accumulators,
-// 3 x vectors and 1 weight vector in the 16 AVX2 registers.
+// verify of k+1 tokens). At M = 2..32 oneDNN's and MKL's GEMMs pack the
+// weights per call and stream them at 5-6 GB/s. Here every weight row is read
+// once, straight from its (out, in) layout: a 3 x 4 tile of dot products keeps
+// 12 accumulators, 3 x vectors and 1 weight vector in the 16 AVX2 registers.
+//
+// At M = 16 the step is as much FMA work as weight traffic (8 flop per weight
+// byte), so the two must overlap: each thread walks its own run of 4-row
+// weight blocks, prefetches the block two ahead into L2 spread over the
+// current block's work, and runs the k loop in chunks so the chunk of x and
+// of the 4 weight rows stays in L1 across the row tiles (vector partial sums
+// wait in a small buffer between chunks).
 //
 // Built with -mavx2 -mfma on x86-64 only, so this file holds no code that runs before the
 // launcher has checked the CPU (no static initializers, no CPU test of its own).
-// Threads split the output columns (one OpenMP region on torch's threads,
-// like segcopy_cpu.cpp). Each output is one sum in a fixed order over k, so
-// results do not depend on the thread count.
+// Each output is one sum in a fixed order over k (lane j of the vector sum
+// takes k = j, j+8, ... in order, whatever the chunking), so results do not
+// depend on the thread count.
 #include "flashrt.h"
 
 #include <immintrin.h>
@@ -33,48 +37,104 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-// y[m * ldy + n] = dot(x row m, w row n) for an MR x NR tile; x and w rows are K floats apart.
-template <int MR, int NR>
-inline void tile(const float* x, const float* w, float* y, int64_t K, int64_t ldy) {
-  __m256 acc[MR][NR];
-  for (int m = 0; m < MR; ++m)
-    for (int n = 0; n < NR; ++n) acc[m][n] = _mm256_setzero_ps();
-  const int64_t K8 = K & ~int64_t{7};
-  for (int64_t k = 0; k < K8; k += 8) {
-    __m256 xv[MR];
-    for (int m = 0; m < MR; ++m) xv[m] = _mm256_loadu_ps(x + m * K + k);
-    for (int n = 0; n < NR; ++n) {
-      const __m256 wv = _mm256_loadu_ps(w + n * K + k);
-      for (int m = 0; m < MR; ++m) acc[m][n] = _mm256_fmadd_ps(xv[m], wv, acc[m][n]);
+constexpr int NR = 4;            // weight rows per block
+constexpr int MR = 3;            // x rows per tile
+constexpr int64_t M_GROUP = 32;  // x rows per pass over a block (bounds the partial-sum buffer)
+constexpr int64_t PF_AHEAD = 2;  // prefetch distance in blocks
+
+// Walks a weight block's lines into L2, one 64-byte line every `every` k-steps.
+struct Prefetch {
+  const char* p = nullptr;
+  const char* end = nullptr;
+  int every = 1 << 30, count = 1 << 30;
+  inline void step() {
+    if (--count) return;
+    count = every;
+    if (p < end) {
+      _mm_prefetch(p, _MM_HINT_T1);
+      p += 64;
     }
   }
-  for (int m = 0; m < MR; ++m)
-    for (int n = 0; n < NR; ++n) {
-      float s = hsum(acc[m][n]);
+};
+
+// The MR x NR tile's vector sums over k in [k0, k1) (multiples of 8), added to `part`
+// (MR * NR * 8 floats) unless `first`; x and w rows are K floats apart.
+template <int R, int C>
+inline void tile(const float* x, const float* w, float* part, int64_t K, int64_t k0, int64_t k1,
+                 bool first, Prefetch& pf) {
+  __m256 acc[R][C];
+  for (int m = 0; m < R; ++m)
+    for (int n = 0; n < C; ++n)
+      acc[m][n] = first ? _mm256_setzero_ps() : _mm256_load_ps(part + (m * C + n) * 8);
+  for (int64_t k = k0; k < k1; k += 8) {
+    pf.step();
+    __m256 xv[R];
+    for (int m = 0; m < R; ++m) xv[m] = _mm256_loadu_ps(x + m * K + k);
+    for (int n = 0; n < C; ++n) {
+      const __m256 wv = _mm256_loadu_ps(w + n * K + k);
+      for (int m = 0; m < R; ++m) acc[m][n] = _mm256_fmadd_ps(xv[m], wv, acc[m][n]);
+    }
+  }
+  for (int m = 0; m < R; ++m)
+    for (int n = 0; n < C; ++n) _mm256_store_ps(part + (m * C + n) * 8, acc[m][n]);
+}
+
+template <int C>
+inline void tile_rows(int rows, const float* x, const float* w, float* part, int64_t K, int64_t k0,
+                      int64_t k1, bool first, Prefetch& pf) {
+  switch (rows) {
+    case 3: tile<3, C>(x, w, part, K, k0, k1, first, pf); break;
+    case 2: tile<2, C>(x, w, part, K, k0, k1, first, pf); break;
+    default: tile<1, C>(x, w, part, K, k0, k1, first, pf); break;
+  }
+}
+
+// y[:, n0:n0+C] for M <= M_GROUP rows of x against the C weight rows at w.
+template <int C>
+void column_block(const float* x, int64_t M, const float* w, float* y, int64_t K, int64_t N,
+                  Prefetch& pf) {
+  alignas(32) float part[M_GROUP * C * 8];
+  const int64_t K8 = K & ~int64_t{7};
+  // x chunk (M x kc floats) + weight chunk (C x kc) within half of a 32 KiB L1
+  const int64_t kc = std::max<int64_t>(64, std::min<int64_t>(512, (4096 / M) & ~int64_t{7}));
+  for (int64_t k0 = 0; k0 < K8; k0 += kc) {
+    const int64_t k1 = std::min(K8, k0 + kc);
+    for (int64_t m = 0; m < M; m += MR)
+      tile_rows<C>(static_cast<int>(std::min<int64_t>(MR, M - m)), x + m * K, w, part + m * C * 8, K,
+                   k0, k1, k0 == 0, pf);
+  }
+  for (int64_t m = 0; m < M; ++m)
+    for (int n = 0; n < C; ++n) {
+      float s = K8 ? hsum(_mm256_load_ps(part + (m * C + n) * 8)) : 0.f;
       for (int64_t k = K8; k < K; ++k) s += x[m * K + k] * w[n * K + k];
-      y[m * ldy + n] = s;
+      y[m * N + n] = s;
     }
 }
 
-// All M rows of x against NR rows of w (the weight rows stay in L1 across the row tiles).
-template <int NR>
-inline void column_block(const float* x, int64_t M, const float* w, float* y, int64_t K, int64_t N) {
-  int64_t m = 0;
-  for (; m + 3 <= M; m += 3) tile<3, NR>(x + m * K, w, y + m * N, K, N);
-  if (M - m == 2) tile<2, NR>(x + m * K, w, y + m * N, K, N);
-  if (M - m == 1) tile<1, NR>(x + m * K, w, y + m * N, K, N);
-}
-
-void block(const float* x, const float* w, float* y, int64_t M, int64_t N, int64_t K, int64_t b) {
-  constexpr int64_t NR = 4;
-  const int64_t n0 = b * NR;
-  const float* wb = w + n0 * K;
-  float* yb = y + n0;
-  switch (std::min(NR, N - n0)) {
-    case 4: column_block<4>(x, M, wb, yb, K, N); break;
-    case 3: column_block<3>(x, M, wb, yb, K, N); break;
-    case 2: column_block<2>(x, M, wb, yb, K, N); break;
-    default: column_block<1>(x, M, wb, yb, K, N); break;
+// Blocks [b0, b1) of 4 weight rows each, all M rows of x.
+void run_blocks(const float* x, const float* w, float* y, int64_t M, int64_t N, int64_t K,
+                int64_t b0, int64_t b1) {
+  const int64_t steps_per_block = ((std::min(M, M_GROUP) + MR - 1) / MR) * (K / 8);
+  for (int64_t b = b0; b < b1; ++b) {
+    const int64_t n0 = b * NR, nb = std::min<int64_t>(NR, N - n0);
+    Prefetch pf;
+    if (b + PF_AHEAD < b1) {   // the block PF_AHEAD ahead, spread over this block's k-steps
+      const int64_t bytes = std::min<int64_t>(NR, N - (n0 + PF_AHEAD * NR)) * K * 4;
+      pf.p = reinterpret_cast<const char*>(w + (n0 + PF_AHEAD * NR) * K);
+      pf.end = pf.p + bytes;
+      pf.every = pf.count = static_cast<int>(std::max<int64_t>(1, steps_per_block / ((bytes + 63) / 64)));
+    }
+    for (int64_t m = 0; m < M; m += M_GROUP) {
+      const int64_t rows = std::min(M_GROUP, M - m);
+      const float* xm = x + m * K;
+      float* ym = y + m * N + n0;
+      switch (nb) {
+        case 4: column_block<4>(xm, rows, w + n0 * K, ym, K, N, pf); break;
+        case 3: column_block<3>(xm, rows, w + n0 * K, ym, K, N, pf); break;
+        case 2: column_block<2>(xm, rows, w + n0 * K, ym, K, N, pf); break;
+        default: column_block<1>(xm, rows, w + n0 * K, ym, K, N, pf); break;
+      }
+    }
   }
 }
 
@@ -82,18 +142,23 @@ void block(const float* x, const float* w, float* y, int64_t M, int64_t N, int64
 
 void small_m_linear(const float* x, const float* w, float* y, int64_t M, int64_t N, int64_t K,
                     int num_threads) {
-  const int64_t blocks = (N + 3) / 4;
+  const int64_t blocks = (N + NR - 1) / NR;
 #ifdef FLASHRT_OPENMP
   if (num_threads <= 0) num_threads = omp_get_max_threads();   // torch.set_num_threads sets it
+  num_threads = static_cast<int>(std::min<int64_t>(num_threads, blocks));
   if (num_threads > 1 && !forked_after_load()) {   // a forked child runs serially
-#pragma omp parallel for num_threads(num_threads) schedule(static)
-    for (int64_t b = 0; b < blocks; ++b) block(x, w, y, M, N, K, b);
+    // one contiguous run of blocks per thread, so each can prefetch ahead within its own run
+#pragma omp parallel num_threads(num_threads)
+    {
+      const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+      run_blocks(x, w, y, M, N, K, blocks * t / nt, blocks * (t + 1) / nt);
+    }
     return;
   }
 #else
   (void)num_threads;
 #endif
-  for (int64_t b = 0; b < blocks; ++b) block(x, w, y, M, N, K, b);
+  run_blocks(x, w, y, M, N, K, 0, blocks);
 }
 
 }  // namespace flashrt

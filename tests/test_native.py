@@ -90,6 +90,18 @@ def test_small_m_linear_matches_a_double_reference(m, n, k):
 
 
 @needs_small_m
+@pytest.mark.parametrize("n, k", [(9, 4100), (64, 1031)])
+def test_small_m_linear_rows_do_not_depend_on_the_batch(n, k):
+    """The k loop runs in chunks sized by M (and rows in groups of 32), with vector partial sums
+    kept between chunks: each row must come out bitwise as it does alone or in any batch."""
+    g = torch.Generator().manual_seed(n + k)
+    x, w = torch.randn(40, k, generator=g), torch.randn(n, k, generator=g)
+    full = native.small_m_linear(x, w)
+    for lo, hi in [(0, 1), (5, 7), (3, 19), (8, 40)]:
+        assert torch.equal(native.small_m_linear(x[lo:hi].contiguous(), w), full[lo:hi])
+
+
+@needs_small_m
 def test_small_m_linear_refuses_bad_arguments():
     x, w = torch.randn(4, 8), torch.randn(6, 8)
     for bad, msg in [((x.double(), w), "x must be"), ((x, w.t()), "w must be"),
