@@ -104,14 +104,21 @@ ttft() {
   "$PY" bench/ttft.py --device cuda --dtype bfloat16 --models "$1:real" --prefix 2048 4096 8192 16384 \
     --repeats 2 --warmup 1 --no-progress --out "$RES/ttft-cuda-$1.json" --plot "$RES/ttft-cuda-$1.png"
 }
+build() {
+  "$PY" -m pip install -q --no-build-isolation --no-deps -C cmake.define.FLASHRT_CUDA=ON \
+    -C cmake.define.CMAKE_CUDA_ARCHITECTURES=90 . && return 0
+  echo "!! CUDA build failed: installing without the CUDA kernel so the later steps run"
+  "$PY" -m pip install -q --no-build-isolation --no-deps -C cmake.define.FLASHRT_CUDA=OFF .
+  return 1
+}
 export PY ROOT RES
-export -f ckpt ttft
+export -f ckpt ttft build
 
 # ---- stage 1: build, extension, CUDA tests --------------------------------------------------
 step 1 5 "nvidia-smi" nvidia-smi
-# sm_90 only (the H100/H200): half the nvcc time of the default 80;90. ON: fail loudly without nvcc.
-step 1 75 "build + install (CUDA extension)" "$PY" -m pip install -q --no-build-isolation --no-deps \
-  -C cmake.define.FLASHRT_CUDA=ON -C cmake.define.CMAKE_CUDA_ARCHITECTURES=90 .
+# sm_90 only (the H100/H200): half the nvcc time of the default 80;90. ON: fail loudly without
+# nvcc, then install without the CUDA kernel (the step still fails) so the later steps can run.
+step 1 75 "build + install (CUDA extension)" bash -c build
 # from / and tests/: the installed package (extension included) is imported, not the checkout
 step 1 8 "extension check" bash -c "cd / && '$PY' -c \"import flashrt.native as n; print(n.ext_status()); \
 assert n.HAVE_EXT and n.HAVE_CUDA_EXT, 'CUDA extension missing'\""
@@ -119,8 +126,9 @@ assert n.HAVE_EXT and n.HAVE_CUDA_EXT, 'CUDA extension missing'\""
 # lose the runtime's results
 step 1 45 "CUDA tests: graphs, capsules" bash -c "cd tests && '$PY' -m pytest -q -rfEs --tb=short \
   -p no:cacheprovider test_cuda.py test_qwen3_5.py -k cuda"
-step 1 30 "CUDA tests: Triton decode attention" bash -c "cd tests && '$PY' -m pytest -q -rfEs \
-  --tb=short -p no:cacheprovider test_decode_attention.py -k cuda"
+# the CUDA segment-copy tests (a few seconds) first: a Triton compile timeout must not lose them
+step 1 30 "CUDA tests: segment copy, Triton decode attention" bash -c "cd tests && '$PY' -m pytest \
+  -q -rfEs --tb=short -p no:cacheprovider test_native.py test_decode_attention.py -k cuda"
 
 # ---- stage 2: benchmarks, most valuable first (qwen3_5 only: qwen3 and lfm2 do not fit) --------
 step 2 40 "checkpoint qwen3_5 real (random weights)" bash -c "ckpt qwen3_5"

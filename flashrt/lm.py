@@ -355,6 +355,10 @@ class StepGraphs:
         self.fns.update({T: (lambda T=T: static_step(lm.net, s, T)) for T in self.sizes})
         if compile:     # fixed shapes per body; inductor fuses the elementwise ops between matmuls
             self.fns = {k: torch.compile(f, dynamic=False) for k, f in self.fns.items()}
+            # the size bodies share one code object (the lambda), and dynamo keeps at most
+            # recompile_limit entries per code object (8): past it a body would run uncompiled
+            cfg = torch._dynamo.config
+            cfg.recompile_limit = max(cfg.recompile_limit, len(self.fns))
         self.readback = HostReadback(lm.model.device)
         self.bodies = CapturedBodies()
         if capture:

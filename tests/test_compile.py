@@ -36,3 +36,15 @@ def test_compiled_bodies_keep_capsules_exact(runtime):
     assert hasattr(comp.graphs.fns[8], "_torchdynamo_orig_callable")
     assert not hasattr(eager.graphs.fns[8], "_torchdynamo_orig_callable")
 
+
+
+def test_every_step_size_gets_its_own_compiled_entry(ckpt):
+    """The size bodies share one code object, whose dynamo cache holds recompile_limit entries
+    (8 by default): 9 sizes (up to 256 tokens) must not leave the ninth running uncompiled."""
+    from flashrt.lm import LanguageModel, Options
+    from flashrt.loader import load_model
+    lm = LanguageModel(load_model(ckpt("qwen3_5", "tiny"), dtype="float32"),
+                       Options(max_seq_len=512, prefill_chunk=256, graph_max_tokens=256))
+    graphs = use_graph_bodies(lm, compile=True)
+    assert len(graphs.sizes) == 9
+    assert torch._dynamo.config.recompile_limit >= len(graphs.fns)

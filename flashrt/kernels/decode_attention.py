@@ -120,6 +120,9 @@ def _check(q, k_cache, v_cache, positions, out):
     if positions.shape != (T,) or positions.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"decode_attention: positions must be int32/int64 of shape ({T},); got "
                          f"{positions.dtype} {tuple(positions.shape)}")
+    if T > 1 and positions.stride(0) != 1:     # the kernels read POS + t
+        raise ValueError(f"decode_attention: positions must be contiguous; got stride "
+                         f"{positions.stride(0)}")
     if out is not None and (out.shape != q.shape or out.dtype != q.dtype):
         raise ValueError(f"decode_attention: out must be {q.dtype} {tuple(q.shape)}; got "
                          f"{out.dtype} {tuple(out.shape)}")
