@@ -1,0 +1,77 @@
+"""The CPU projection kernels on a model's own weights, side by side in one run: a step of M
+rows through every projection of the model (the weights stream from DRAM, as in a real step;
+the LM head is left out: it runs on one row), with oneDNN's inner product, the extension's
+small-M kernel (csrc/linear_cpu.cpp) and F.linear (MKL). M = 16 is a user turn after a capsule
+restore; 2-8 a speculative verify.
+
+    python bench/linear.py [--arch qwen3_5] [--size real] [--rows 1 2 4 8 16 32] [--repeats 7]
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench import common as C  # noqa: E402
+
+KERNELS = ("onednn", "small-M", "F.linear")
+
+
+def main(argv=None) -> int:
+    p = C.base_parser("bench/linear.py", "CPU projection kernels on a model's weights")
+    p.add_argument("--arch", default="qwen3_5")
+    p.add_argument("--size", default=None, help="tiny, small or real (default real; tiny in --quick)")
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
+    a = p.parse_args(argv)
+    a.size = a.size or ("tiny" if a.quick else "real")
+    a.repeats = a.repeats or (1 if a.quick else 7)
+    a.warmup = 1 if a.warmup is None else a.warmup
+    C.setup(a)
+    if a.device != "cpu" or a.dtype != "float32":
+        raise SystemExit("bench/linear.py times the CPU float32 kernels (--device cpu --dtype float32)")
+    info = C.banner("linear", a)
+    import torch
+    import torch.nn.functional as F
+    from flashrt import native
+    from flashrt.layers import Linear, linear
+    if not native.SMALL_M_LINEAR:
+        raise SystemExit(f"the small-M kernel does not run here: {native.ext_status()}")
+    torch.set_grad_enabled(False)
+    path = C.checkpoint(a.arch, a.size)
+    rt = C.load_flashrt(path, a, 64)
+    ws = [m.weight for m in rt.net.modules() if isinstance(m, Linear) and m.weight.shape[0] != rt.net.vocab_size]
+    nbytes = sum(w.numel() * w.element_size() for w in ws)
+    fns = {"onednn": lambda x, w: linear(x, w, kernel="onednn"),
+           "small-M": lambda x, w: native.small_m_linear(x, w) if x.shape[0] > 1 else linear(x, w, kernel="onednn"),
+           "F.linear": F.linear}
+    g = torch.Generator().manual_seed(0)
+    xs = {k: torch.randn(max(a.rows), k, generator=g) for k in {w.shape[1] for w in ws}}
+    cases, diffs = {}, {}
+    for M in a.rows:
+        for name, f in fns.items():
+            cases[f"{name} M={M}"] = C.Case(lambda f=f, M=M: [f(xs[w.shape[1]][:M], w) for w in ws])
+        ref = [F.linear(xs[w.shape[1]][:M].double(), w.double()) for w in ws]
+        got = [fns["small-M"](xs[w.shape[1]][:M], w) for w in ws]
+        diffs[M] = max(float(((y - r) / r.abs().max()).abs().max()) for y, r in zip(got, ref))
+    st = C.measure(cases, a.repeats, a.warmup, a.device, desc="linear")
+    t = C.Table(f"{C.label(a.arch, a.size)}: all {len(ws)} projections of one step, M rows "
+                f"({C.fmt_bytes(nbytes)} of float32 weights)",
+                ["rows", "oneDNN ms", "small-M ms", "F.linear ms", "oneDNN/small-M", "weights GB/s (small-M)"])
+    for M in a.rows:
+        s = st[f"small-M M={M}"]
+        t.add(M, st[f"onednn M={M}"].ms(), s.ms(), st[f"F.linear M={M}"].ms(),
+              C.fmt_ratio(C.ratio(st[f"onednn M={M}"], s)), f"{nbytes / s.median / 1e9:.1f}")
+    t.notes.append("ratio > 1: the small-M kernel faster; M = 1 runs oneDNN in both columns (the "
+                   "runtime's choice for one row)")
+    t.notes.append(f"small-M vs a float64 reference: max relative error {max(diffs.values()):.1e}")
+    t.notes.append(f"weights: {C.short_path(path)} (random)")
+    print()
+    print(t.text())
+    C.write_json("linear", a, info, [t], {"arch": a.arch, "size": a.size, "weight_bytes": nbytes,
+                                          "stats": st, "max_rel_err": diffs}, argv)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
