@@ -98,14 +98,15 @@ def chunk_gated_delta_rule(q, k, v, g, beta, state, chunk: int = 64, fast: bool 
     # length: padding 16 tokens to 64 made the (c, c) products and solves 16x the work
     chunk = min(chunk, T)
     pad = (chunk - T % chunk) % chunk
-    q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
-    beta, g = F.pad(beta, (0, pad)), F.pad(g, (0, pad))
+    if pad:
+        q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
+        beta, g = F.pad(beta, (0, pad)), F.pad(g, (0, pad))
     n = (T + pad) // chunk
     v_beta, k_beta = v * beta[..., None], k * beta[..., None]
     q, k, k_beta, v_beta = (t.reshape(H, n, chunk, t.shape[-1]) for t in (q, k, k_beta, v_beta))
     g = g.reshape(H, n, chunk).cumsum(-1)                     # cumulative log decay in a chunk
-    upper = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).triu(1)
-    decay = (g[..., :, None] - g[..., None, :]).masked_fill(upper, float("-inf")).exp()
+    # exp(g_i - g_j) for j <= i; above the diagonal (j > i, where it may overflow) zeroed
+    decay = (g[..., :, None] - g[..., None, :]).exp().tril()
     ut = (k_beta @ k.transpose(-1, -2)) * decay               # (H, n, c, c) strictly-lower + diag
     attn = (q @ k.transpose(-1, -2)) * decay
     # one solve for both right-hand sides: (H, n, c, Dv + Dk)
