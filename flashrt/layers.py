@@ -70,8 +70,8 @@ def select_linear_kernel(net: nn.Module, device: torch.device, dtype: torch.dtyp
     (measured on a 2-core AVX2 EPYC, fp32: one-token steps 2-3x faster than MKL's GEMV for
     (out, in) weights, 512-token prefill GEMMs 10-20% faster), with 2-32-row steps on the
     extension's small-M kernel where it runs (float32, x86-64 AVX2 + FMA, torch's OpenMP;
-    faster than oneDNN at 2-32 rows: bench/linear.py); aten elsewhere (CUDA, or bf16 on CPUs without native
-    bf16, where oneDNN has no inner product)."""
+    faster than oneDNN at 2-32 rows: bench/linear.py); aten elsewhere (CUDA, or bf16 on CPUs
+    without native bf16, where oneDNN has no inner product)."""
     if want not in ("auto",) + LINEAR_KERNELS:
         raise ValueError(f"linear kernel {want!r}: expected auto, aten, onednn or flashrt")
     kernel = want

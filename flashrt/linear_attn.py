@@ -4,7 +4,8 @@ Batch 1, no batch dim. All state is updated in place (fixed arena addresses, gra
 - conv state (C, K-1): the last K-1 conv inputs, oldest first;
 - recurrent state (Hv, Dk, Dv) float32, whatever the activation dtype.
 The pure-torch paths follow transformers' torch_chunk_gated_delta_rule /
-torch_recurrent_gated_delta_rule op for op (fp32 parity ~1e-6). Optional CUDA kernels
+torch_recurrent_gated_delta_rule (fp32 parity ~1e-6); the chunk rule solves both right-hand
+sides at once and updates the state in place. Optional CUDA kernels
 (flash-linear-attention, causal-conv1d) are used when `fast_kernels()` finds them;
 flash-linear-attention only for bf16/fp16 activations (`use_fla`): it asserts on float32.
 """
@@ -116,8 +117,8 @@ def chunk_gated_delta_rule(q, k, v, g, beta, state, chunk: int = 64, fast: bool 
     q = q * g.exp()[..., None]
     k = k * (g[..., -1:] - g).exp()[..., None]
     chunk_decay = g[..., -1].exp()[..., None, None]           # (H, n, 1, 1)
-    S = state                                                 # (H, Dk, Dv) fp32, in place: a
-    out = torch.empty_like(u)                                 # 1 MiB copy per layer saved
+    S = state                                                 # (H, Dk, Dv) fp32, updated in place
+    out = torch.empty_like(u)
     for i in range(n):
         v_new = u[:, i] - w[:, i] @ S
         out[:, i] = torch.baddbmm(q[:, i] @ S, attn[:, i], v_new)

@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -74,7 +76,6 @@ def test_linear_bench_quick(tmp_path):
     within float32 rounding of a float64 reference on the model's own weights."""
     from flashrt import native
     if not native.SMALL_M_LINEAR:
-        import pytest
         pytest.skip(f"the small-M kernel does not run here: {native.ext_status()}")
     out = tmp_path / "linear.json"
     r = subprocess.run([sys.executable, "bench/linear.py", "--quick", "--rows", "1", "3", "16",

@@ -37,7 +37,6 @@ def test_compiled_bodies_keep_capsules_exact(runtime):
     assert not hasattr(eager.graphs.fns[8], "_torchdynamo_orig_callable")
 
 
-
 def test_every_step_size_gets_its_own_compiled_entry(ckpt):
     """The size bodies share one code object, whose dynamo cache holds recompile_limit entries
     (8 by default): 9 sizes (up to 256 tokens) must not leave the ninth running uncompiled."""
