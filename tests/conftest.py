@@ -58,6 +58,18 @@ def hf_logits(model, ids) -> torch.Tensor:
         return model(torch.tensor([ids])).logits[0].float()
 
 
+def hf_cached_step(model, ids, cache=None):
+    """One cached forward of transformers' model: (logits (T, V), cache). transformers >= 5.2x
+    names the cache argument `cache`; earlier 5.x (5.17 on the GPU image) `past_key_values`."""
+    import inspect
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    with torch.no_grad():
+        out = model(torch.tensor([ids]), use_cache=True, **({name: cache} if cache is not None else {}))
+    new = out.get("cache") if out.get("cache") is not None else out.get("past_key_values")
+    assert new is not None, f"{type(model).__name__} returned no cache"
+    return out.logits[0], new
+
+
 def margin_check(ref_logits: torch.Tensor, tokens, margin=1e-3):
     """Greedy identity under the top-2 margin rule: returns (mismatches, smallest gap met).
 

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 import flashrt
-from conftest import hf_logits, hf_reference
+from conftest import hf_cached_step, hf_logits, hf_reference
 from flashrt.layers import StepCtx
 from flashrt.linear_attn import (causal_conv, chunk_gated_delta_rule, fast_kernels,
                                  recurrent_gated_delta_rule)
@@ -55,13 +55,11 @@ def test_parity_both_layouts(layout, ckpt, runtime):
     diff = (ours - one_shot).abs().max().item()
     print(f"{layout}: max |logit diff| vs one-shot transformers {diff:.3g}")
     assert diff <= 1e-4
-    with torch.no_grad():                    # transformers' own incremental decode
-        out = model(torch.tensor([ids[:PROMPT]]), use_cache=True)
-        steps, cache = [out.logits[0]], out.past_key_values
-        for t in ids[PROMPT:]:
-            out = model(torch.tensor([[t]]), cache=cache, use_cache=True)
-            steps.append(out.logits[0])
-            cache = out.past_key_values
+    logits, cache = hf_cached_step(model, ids[:PROMPT])      # transformers' own incremental decode
+    steps = [logits]
+    for t in ids[PROMPT:]:
+        logits, cache = hf_cached_step(model, [t], cache)
+        steps.append(logits)
     inc = (ours - torch.cat(steps).float()).abs().max().item()
     print(f"{layout}: max |logit diff| vs transformers' cached decode {inc:.3g}")
     assert inc <= 2e-5
@@ -97,6 +95,16 @@ def test_chunked_prefill_matches_one_shot(runtime):
 
 
 # ---- GDN math against transformers' reference functions ---------------------------------------
+def _hf_rule(rule, q, k, v, g, beta, s0):
+    """transformers' rule on one sequence; q, k repeated to the value heads first, as its layer
+    does (transformers >= 5.2x also repeats inside the rule; 5.17 expects it done)."""
+    rep = v.shape[1] // q.shape[1]
+    q, k = q.repeat_interleave(rep, dim=1), k.repeat_interleave(rep, dim=1)
+    o, s = rule(q[None], k[None], v[None], g[None], beta[None], initial_state=s0[None],
+                output_final_state=True, use_qk_l2norm_in_kernel=True)
+    return o[0], s[0]
+
+
 def test_delta_rules_match_transformers():
     from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
     gen = torch.Generator().manual_seed(0)
@@ -106,23 +114,19 @@ def test_delta_rules_match_transformers():
     g = -torch.rand(T, Hv, generator=gen)
     beta = torch.rand(T, Hv, generator=gen)
     s0 = torch.randn(Hv, Dk, Dv, generator=gen)
-    ref_o, ref_s = hf.torch_chunk_gated_delta_rule(q[None], k[None], v[None], g[None], beta[None],
-                                                   initial_state=s0[None], output_final_state=True,
-                                                   use_qk_l2norm_in_kernel=True)
+    ref_o, ref_s = _hf_rule(hf.torch_chunk_gated_delta_rule, q, k, v, g, beta, s0)
     s = s0.clone()
     o = chunk_gated_delta_rule(q, k, v, g, beta, s)
-    assert (o - ref_o[0]).abs().max() <= 1e-5 and (s - ref_s[0]).abs().max() <= 1e-5
-    ref_o, ref_s = hf.torch_recurrent_gated_delta_rule(q[None], k[None], v[None], g[None], beta[None],
-                                                       initial_state=s0[None], output_final_state=True,
-                                                       use_qk_l2norm_in_kernel=True)
+    assert (o - ref_o).abs().max() <= 1e-5 and (s - ref_s).abs().max() <= 1e-5
+    ref_o, ref_s = _hf_rule(hf.torch_recurrent_gated_delta_rule, q, k, v, g, beta, s0)
     s = s0.clone()
     o = recurrent_gated_delta_rule(q, k, v, g, beta, s)
-    assert (o - ref_o[0]).abs().max() <= 1e-5 and (s - ref_s[0]).abs().max() <= 1e-5
+    assert (o - ref_o).abs().max() <= 1e-5 and (s - ref_s).abs().max() <= 1e-5
     # chunked over two calls (70 + 80) == one call: the state carries everything
     s = s0.clone()
     o2 = torch.cat([chunk_gated_delta_rule(q[:70], k[:70], v[:70], g[:70], beta[:70], s),
                     chunk_gated_delta_rule(q[70:], k[70:], v[70:], g[70:], beta[70:], s)])
-    assert (o2 - ref_o[0]).abs().max() <= 1e-4 and (s - ref_s[0]).abs().max() <= 1e-4
+    assert (o2 - ref_o).abs().max() <= 1e-4 and (s - ref_s).abs().max() <= 1e-4
 
 
 @pytest.mark.parametrize("T", [1, 2, 5, 16, 63])
@@ -139,9 +143,8 @@ def test_short_steps_are_one_chunk_of_their_own_length(T):
     s = s0.clone()
     o = chunk_gated_delta_rule(q, k, v, g, beta, s)
     for ref in (hf.torch_chunk_gated_delta_rule, hf.torch_recurrent_gated_delta_rule):
-        ref_o, ref_s = ref(q[None], k[None], v[None], g[None], beta[None], initial_state=s0[None],
-                           output_final_state=True, use_qk_l2norm_in_kernel=True)
-        assert (o - ref_o[0]).abs().max() <= 1e-5 and (s - ref_s[0]).abs().max() <= 1e-5
+        ref_o, ref_s = _hf_rule(ref, q, k, v, g, beta, s0)
+        assert (o - ref_o).abs().max() <= 1e-5 and (s - ref_s).abs().max() <= 1e-5
 
 
 def test_causal_conv_state_and_chunks():

@@ -2,6 +2,8 @@
 per case. Run as a script in a fresh process (tests/test_decode_attention.py does): the
 interpreter is chosen when a kernel is defined, so it is switched on here before triton is
 imported (in main, so that importing grid() from the tests changes nothing in their process)."""
+from __future__ import annotations
+
 import json
 import os
 import sys
@@ -62,8 +64,32 @@ def run_case(T, Hq, Hkv, D, cap, L, dtype, split, seed, device="cpu"):
                 shape_ok=out.shape == q.shape and out.dtype == q.dtype)
 
 
+def interpreter_defect() -> str | None:
+    """Why this Triton's interpreter cannot run a loop bounded by a program id, or None. Triton
+    3.6's (torch 2.11's) calls int() on a 1-element array, which NumPy >= 2.4 refuses."""
+    import numpy as np
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def probe(X):
+        for i in range(tl.program_id(0), 2):
+            tl.store(X + i, i)
+    x = np.zeros(2, np.int32)
+    try:
+        import torch
+        probe[(1,)](torch.from_numpy(x))
+    except Exception as e:  # noqa: BLE001 - the reason is reported, not swallowed
+        return (f"Triton {triton.__version__}'s interpreter cannot run a loop bounded by a program id "
+                f"with NumPy {np.__version__} ({e!r}); Triton 3.9's can")
+    return None
+
+
 if __name__ == "__main__":
     os.environ["TRITON_INTERPRET"] = "1"      # before triton is first imported (in run_case)
+    if (why := interpreter_defect()) is not None:
+        print(json.dumps({"interpreter_defect": why}), flush=True)
+        sys.exit(0)
     only = set(sys.argv[1:])
     for name, kw in grid():
         if not only or name in only:
