@@ -5,6 +5,7 @@ triton is imported). Also: stale rows holding NaN/Inf past the live length chang
 output, and the model's graph-safe entry point (layers.attend_static) gives the same answer."""
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import subprocess
@@ -117,8 +118,9 @@ def test_launcher_refuses_bad_inputs():
 @pytest.mark.parametrize("cap", [1, 63, 64, 1000, 16384, 1 << 20])
 def test_plan_covers_capacity(cap):
     from flashrt.kernels.decode_attention import plan
-    for T, Hq, Hkv, D in ((1, 16, 8, 128), (16, 8, 2, 256), (3, 8, 8, 80)):
-        p = plan(T, Hq, Hkv, D, cap, programs=528)
+    for (T, Hq, Hkv, D), fp32 in itertools.product(((1, 16, 8, 128), (16, 8, 2, 256), (3, 8, 8, 80)),
+                                                   (False, True)):
+        p = plan(T, Hq, Hkv, D, cap, programs=528, fp32=fp32)
         assert p["split"] % p["BLOCK_N"] == 0 and p["n_split"] * p["split"] >= cap
         assert (p["n_split"] - 1) * p["split"] < cap                   # no empty trailing split
         assert p["n_split"] <= 128                                      # MAX_SPLITS
@@ -142,28 +144,46 @@ def _compile_sm90(kernel, types: dict, constexprs: dict, num_warps: int, ints: d
                           options={"num_warps": num_warps})
 
 
+def _local_memory(kernel, tmp_path) -> tuple[int, int]:
+    """(registers, stack bytes) of a compiled kernel, read by the cuobjdump Triton carries."""
+    import re
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    if not tool.exists():
+        pytest.skip(f"no cuobjdump in Triton's package ({tool})")
+    f = tmp_path / "k.cubin"
+    f.write_bytes(kernel.asm["cubin"])
+    text = subprocess.run([str(tool), "--dump-resource-usage", str(f)], capture_output=True,
+                          text=True, check=True).stdout
+    m = re.search(r"REG:(\d+) STACK:(\d+)", text)
+    assert m, text
+    return int(m.group(1)), int(m.group(2))
+
+
+# the models' attention shapes (Hq, Hkv, D): Qwen3-0.6B, Qwen3.5-0.8B's full attention, LFM2-350M
+_MODELS = {"qwen3": (16, 8, 128), "qwen3_5": (8, 2, 256), "lfm2": (16, 8, 64)}
+
+
 @pytest.mark.filterwarnings("ignore::UserWarning")     # Triton 3.9's notice about its FP-fusion default
 @pytest.mark.parametrize("dtype,T,Hq,Hkv,D", [
-    (torch.bfloat16, 1, 16, 8, 128),      # Qwen3-0.6B decode
-    (torch.bfloat16, 16, 8, 2, 256),      # Qwen3.5-0.8B full attention, a 16-token graph
-    (torch.bfloat16, 64, 8, 2, 256),      # its largest graph: the most shared memory
-    (torch.float32, 64, 8, 2, 256),
+    *[(dt, T, *_MODELS[m]) for dt in (torch.bfloat16, torch.float32) for m in _MODELS for T in (1, 64)],
+    (torch.bfloat16, 16, 8, 2, 256),      # Qwen3.5-0.8B's 16-token graph
     (torch.float16, 1, 32, 4, 64),
-    (torch.float32, 4, 8, 8, 80)])
-def test_kernels_compile_for_sm90(dtype, T, Hq, Hkv, D):
+    (torch.float32, 4, 8, 8, 80)])        # a masked head-dim tail
+def test_kernels_compile_for_sm90(dtype, T, Hq, Hkv, D, tmp_path):
     """The GPU path is not what the interpreter runs: compile both kernels to sm_90 machine code
-    with the launcher's own plan (Triton's ptxas), so type or shape errors show up here."""
+    with the launcher's own plan (Triton's ptxas), so type or shape errors show up here; the
+    plan's tiles fit the registers (no local-memory spills, which the fp32 tiles had)."""
     pytest.importorskip("triton.backends.nvidia", reason="triton without its NVIDIA backend")
     from flashrt.kernels.decode_attention import _combine_kernel, _split_kernel, plan
     cap = 4096
-    p = plan(T, Hq, Hkv, D, cap=cap, programs=4 * 132)
+    p = plan(T, Hq, Hkv, D, cap=cap, programs=4 * 132, fp32=dtype == torch.float32)
     ptr = _PTR[dtype]
     ints = dict(T=T, Hq=Hq, D=D, cap=cap, split=p["split"])
     split = _compile_sm90(_split_kernel, dict(Q=ptr, K=ptr, V=ptr, POS="*i64", M_WS="*fp32", L_WS="*fp32",
                                               ACC_WS="*fp32", scale="fp32"),
                           dict(G=p["G"], BLOCK_M=p["BLOCK_M"], BLOCK_N=p["BLOCK_N"], BLOCK_D=p["BLOCK_D"],
                                PREC="ieee" if dtype == torch.float32 else "tf32"),
-                          num_warps=4 if p["BLOCK_D"] <= 128 else 8,
+                          num_warps=p["warps"],
                           ints=dict(ints, sq_t=Hq * D, sq_h=D, sk_n=Hkv * D, sk_h=D, sv_n=Hkv * D, sv_h=D))
     combine = _compile_sm90(_combine_kernel, dict(M_WS="*fp32", L_WS="*fp32", ACC_WS="*fp32", POS="*i64",
                                                   OUT=ptr), dict(BLOCK_S=p["BLOCK_S"], BLOCK_D=p["BLOCK_D"]),
@@ -171,3 +191,5 @@ def test_kernels_compile_for_sm90(dtype, T, Hq, Hkv, D):
     for k in (split, combine):
         assert k.asm["cubin"] and ".target sm_90" in k.asm["ptx"]
         assert k.metadata.shared <= 227 * 1024          # an H100/H200 block's shared memory
+        regs, stack = _local_memory(k, tmp_path)
+        assert stack == 0, f"{k.name}: {regs} registers and {stack} B of stack (spills), plan {p}"

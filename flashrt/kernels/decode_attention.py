@@ -135,20 +135,27 @@ def _check(q, k_cache, v_cache, positions, out):
                              f"got strides {x.stride()}")
 
 
-def plan(T: int, Hq: int, Hkv: int, D: int, cap: int, programs: int, split: int | None = None):
+def plan(T: int, Hq: int, Hkv: int, D: int, cap: int, programs: int, split: int | None = None,
+         fp32: bool = False):
     """Host-side launch plan from static shapes only (so it is fixed for a captured graph).
-    programs: how many programs fill the device; split: keys per split (None: chosen here)."""
+    programs: how many programs fill the device; split: keys per split (None: chosen here);
+    fp32: float32 inputs (IEEE dots hold more live registers than tf32 ones)."""
     G = Hq // Hkv
-    block_m = max(16, triton.next_power_of_2(min(T * G, 64)))   # tl.dot needs M >= 16
     block_d = max(16, triton.next_power_of_2(D))
-    block_n = 64 if block_d <= 128 else 32
+    # tiles that sm_90 holds in registers, no local-memory spills, under Triton 3.6 and 3.9
+    # (tests/test_decode_attention.py checks the compiled kernels): tl.dot needs M, N >= 16
+    block_m = max(16, triton.next_power_of_2(min(T * G, 64 if block_d <= 128 else 32)))
+    if fp32:
+        block_n, warps = 16, (4 if block_m * block_d <= 2048 else 8)
+    else:
+        block_n, warps = (64, 4) if block_d <= 128 else (32, 8)
     m_blocks = triton.cdiv(T * G, block_m)
     if split is None:   # enough splits that a full-capacity step fills the device, each >= 2 tiles;
         # a split writes and reads back T*G fp32 rows of D: >= 4*T*G keys keeps that under half its KV
         split = max(2 * block_n, 4 * T * G, triton.cdiv(cap, max(1, triton.cdiv(programs, Hkv * m_blocks))),
                     triton.cdiv(cap, MAX_SPLITS))
     split = triton.cdiv(max(split, 1), block_n) * block_n
-    return dict(G=G, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, m_blocks=m_blocks,
+    return dict(G=G, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, m_blocks=m_blocks, warps=warps,
                 split=split, n_split=triton.cdiv(cap, split), BLOCK_S=16 if block_d <= 128 else 8)
 
 
@@ -163,19 +170,18 @@ def decode_attention(q, k_cache, v_cache, positions, scale: float, out=None, spl
     (T, Hq, D), (cap, Hkv, _) = q.shape, k_cache.shape
     sms = (torch.cuda.get_device_properties(q.device).multi_processor_count
            if q.device.type == "cuda" else 4)
-    p = plan(T, Hq, Hkv, D, cap, programs=4 * sms, split=split)
+    p = plan(T, Hq, Hkv, D, cap, programs=4 * sms, split=split, fp32=q.dtype == torch.float32)
     out = torch.empty_like(q) if out is None else out
     m_ws = torch.empty((p["n_split"], T, Hq), dtype=torch.float32, device=q.device)
     l_ws = torch.empty_like(m_ws)
     acc_ws = torch.empty((p["n_split"], T, Hq, D), dtype=torch.float32, device=q.device)
     prec = "ieee" if q.dtype == torch.float32 else "tf32"
-    warps = 4 if p["BLOCK_D"] <= 128 else 8
     _split_kernel[(p["m_blocks"], Hkv, p["n_split"])](
         q, k_cache, v_cache, positions, m_ws, l_ws, acc_ws, float(scale), T, Hq, D, cap, p["split"],
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1),
         G=p["G"], BLOCK_M=p["BLOCK_M"], BLOCK_N=p["BLOCK_N"], BLOCK_D=p["BLOCK_D"], PREC=prec,
-        num_warps=warps)
+        num_warps=p["warps"])
     _combine_kernel[(T * Hq,)](m_ws, l_ws, acc_ws, positions, out, T, Hq, D, cap, p["split"],
                                out.stride(0), out.stride(1), BLOCK_S=p["BLOCK_S"], BLOCK_D=p["BLOCK_D"],
                                num_warps=4)
