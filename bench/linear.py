@@ -2,9 +2,11 @@
 rows through every projection of the model (the weights stream from DRAM, as in a real step;
 the LM head is left out: it runs on one row), with oneDNN's inner product, the extension's
 small-M kernel (csrc/linear_cpu.cpp) and F.linear (MKL). M = 16 is a user turn after a capsule
-restore; 2-8 a speculative verify.
+restore; 2-8 a speculative verify; 1 a decode step. --dtype bfloat16: bf16 weights (the
+small-M kernel widens them to float32 in registers and rounds each output once).
 
     python bench/linear.py [--arch qwen3_5] [--size real] [--rows 1 2 4 8 16 32] [--repeats 7]
+                           [--dtype bfloat16]
 """
 from __future__ import annotations
 
@@ -28,8 +30,8 @@ def main(argv=None) -> int:
     a.repeats = a.repeats or (1 if a.quick else 7)
     a.warmup = 1 if a.warmup is None else a.warmup
     C.setup(a)
-    if a.device != "cpu" or a.dtype != "float32":
-        raise SystemExit("bench/linear.py times the CPU float32 kernels (--device cpu --dtype float32)")
+    if a.device != "cpu" or a.dtype not in ("float32", "bfloat16"):
+        raise SystemExit("bench/linear.py times the CPU kernels (--device cpu, --dtype float32 or bfloat16)")
     info = C.banner("linear", a)
     import torch
     import torch.nn.functional as F
@@ -42,11 +44,13 @@ def main(argv=None) -> int:
     rt = C.load_flashrt(path, a, 64)
     ws = [m.weight for m in rt.net.modules() if isinstance(m, Linear) and m.weight.shape[0] != rt.net.vocab_size]
     nbytes = sum(w.numel() * w.element_size() for w in ws)
-    fns = {"onednn": lambda x, w: linear(x, w, kernel="onednn"),
-           "small-M": lambda x, w: native.small_m_linear(x, w) if x.shape[0] > 1 else linear(x, w, kernel="onednn"),
-           "F.linear": F.linear}
+    bf16 = a.dtype == "bfloat16"
+    # bf16: every M on the small-M kernel, to show where oneDNN's bf16 dot products take over
+    small = ((lambda x, w: native.small_m_linear(x.float(), w).to(x.dtype)) if bf16 else
+             (lambda x, w: native.small_m_linear(x, w) if x.shape[0] > 1 else linear(x, w, kernel="onednn")))
+    fns = {"onednn": lambda x, w: linear(x, w, kernel="onednn"), "small-M": small, "F.linear": F.linear}
     g = torch.Generator().manual_seed(0)
-    xs = {k: torch.randn(max(a.rows), k, generator=g) for k in {w.shape[1] for w in ws}}
+    xs = {k: torch.randn(max(a.rows), k, generator=g).to(ws[0].dtype) for k in {w.shape[1] for w in ws}}
     cases, diffs = {}, {}
     for M in a.rows:
         for name, f in fns.items():
@@ -56,14 +60,15 @@ def main(argv=None) -> int:
         diffs[M] = max(float(((y - r) / r.abs().max()).abs().max()) for y, r in zip(got, ref))
     st = C.measure(cases, a.repeats, a.warmup, a.device, desc="linear")
     t = C.Table(f"{C.label(a.arch, a.size)}: all {len(ws)} projections of one step, M rows "
-                f"({C.fmt_bytes(nbytes)} of float32 weights)",
+                f"({C.fmt_bytes(nbytes)} of {a.dtype} weights)",
                 ["rows", "oneDNN ms", "small-M ms", "F.linear ms", "oneDNN/small-M", "weights GB/s (small-M)"])
     for M in a.rows:
         s = st[f"small-M M={M}"]
         t.add(M, st[f"onednn M={M}"].ms(), s.ms(), st[f"F.linear M={M}"].ms(),
               C.fmt_ratio(C.ratio(st[f"onednn M={M}"], s)), f"{nbytes / s.median / 1e9:.1f}")
-    t.notes.append("ratio > 1: the small-M kernel faster; M = 1 runs oneDNN in both columns (the "
-                   "runtime's choice for one row)")
+    t.notes.append("ratio > 1: the small-M kernel faster; " + (
+        f"the runtime takes it for 1..{native.SMALL_M_MAX_BF16} bf16 rows" if bf16 else
+        "M = 1 runs oneDNN in both columns (the runtime's choice for one row)"))
     t.notes.append(f"small-M vs a float64 reference: max relative error {max(diffs.values()):.1e}")
     t.notes.append(f"weights: {C.short_path(path)} (random)")
     print()

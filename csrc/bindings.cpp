@@ -34,8 +34,10 @@ PYBIND11_MODULE(_C, m) {
 #ifdef FLASHRT_SMALL_M_LINEAR
   m.def("small_m_linear", &flashrt::launch::small_m_linear, py::arg("x"), py::arg("w"), py::arg("y"),
         py::arg("m"), py::arg("n"), py::arg("k"), py::arg("num_threads") = 0,
-        "y (m, n) = x (m, k) @ w (n, k).T at host addresses, float32, contiguous rows; "
-        "num_threads=0 uses OpenMP's thread count. For small m (a short step's projections).");
+        py::arg("bf16_weights") = false,
+        "y (m, n) = x (m, k) @ w (n, k).T at host addresses, x and y float32, w float32 (bf16 "
+        "where bf16_weights), contiguous rows; num_threads=0 uses OpenMP's thread count. For "
+        "small m (a short step's projections).");
 #endif
   m.def("small_m_linear_isa", &flashrt::launch::small_m_linear_isa,
         "'avx2-fma' where small_m_linear runs on this CPU, '' otherwise.");

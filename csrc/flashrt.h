@@ -34,6 +34,9 @@ void segcopy_cuda(const int64_t* src, const int64_t* dst, const int64_t* nbytes,
 // (0 = OpenMP's thread count); results do not depend on it.
 void small_m_linear(const float* x, const float* w, float* y, int64_t M, int64_t N, int64_t K,
                     int num_threads);
+// The same with bf16 weights (raw 16-bit patterns), widened to float32 in registers.
+void small_m_linear_bf16w(const float* x, const uint16_t* w, float* y, int64_t M, int64_t N,
+                          int64_t K, int num_threads);
 
 // Whether this process was forked after the module loaded (libgomp's threads are then gone:
 // parallel regions must not run; see segcopy_cpu.cpp).

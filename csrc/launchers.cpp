@@ -64,7 +64,7 @@ std::string small_m_linear_isa() {
 }
 
 void small_m_linear(std::uintptr_t x, std::uintptr_t w, std::uintptr_t y, int64_t m, int64_t n,
-                    int64_t k, int num_threads) {
+                    int64_t k, int num_threads, bool bf16_weights) {
   if (small_m_linear_isa().empty())
     throw std::runtime_error("small_m_linear needs AVX2 and FMA, which this CPU lacks");
   if (m <= 0 || n <= 0 || k <= 0)
@@ -73,8 +73,12 @@ void small_m_linear(std::uintptr_t x, std::uintptr_t w, std::uintptr_t y, int64_
   if (x == 0 || w == 0 || y == 0) throw std::invalid_argument("small_m_linear: null address");
   if (num_threads < 0) throw std::invalid_argument("num_threads must be >= 0 (0 = all cores)");
   py::gil_scoped_release nogil;  // the caller holds the tensors
-  flashrt::small_m_linear(reinterpret_cast<const float*>(x), reinterpret_cast<const float*>(w),
-                          reinterpret_cast<float*>(y), m, n, k, num_threads);
+  if (bf16_weights)
+    flashrt::small_m_linear_bf16w(reinterpret_cast<const float*>(x), reinterpret_cast<const uint16_t*>(w),
+                                  reinterpret_cast<float*>(y), m, n, k, num_threads);
+  else
+    flashrt::small_m_linear(reinterpret_cast<const float*>(x), reinterpret_cast<const float*>(w),
+                            reinterpret_cast<float*>(y), m, n, k, num_threads);
 }
 #else
 std::string small_m_linear_isa() { return ""; }

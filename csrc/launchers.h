@@ -36,9 +36,10 @@ class CpuCopyPlan {
 };
 
 #ifdef FLASHRT_SMALL_M_LINEAR
-// y = x w^T at host addresses (float32, contiguous; the Python wrapper checks the tensors).
+// y = x w^T at host addresses (x, y float32; w float32, or bf16 where bf16_weights; contiguous;
+// the Python wrapper checks the tensors).
 void small_m_linear(std::uintptr_t x, std::uintptr_t w, std::uintptr_t y, int64_t m, int64_t n,
-                    int64_t k, int num_threads);
+                    int64_t k, int num_threads, bool bf16_weights);
 #endif
 std::string small_m_linear_isa();
 

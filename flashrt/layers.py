@@ -24,17 +24,20 @@ LINEAR_KERNELS = ("aten", "onednn", "flashrt")
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, kernel: str = "aten"):
     """x @ w.T (+ b). kernel "onednn": oneDNN's inner product on the unchanged (out, in) weight,
-    the op torch.compile's CPU backend emits; "flashrt": the same, except 2..SMALL_M_MAX rows
-    (a short step: a user turn, a speculative verify) go to the extension's small-M float32
-    kernel; "aten": F.linear (MKL GEMM / GEMV)."""
+    the op torch.compile's CPU backend emits; "flashrt": the same, except a few rows (a decode
+    step in bf16; a short step in either: a user turn, a speculative verify) go to the
+    extension's small-M kernel: float32 at 2..SMALL_M_MAX rows, bf16 weights at
+    1..SMALL_M_MAX_BF16 (summed in float32, rounded to bf16 once); "aten": F.linear."""
     if kernel != "aten" and torch.compiler.is_compiling():
         y = torch.ops.flashrt.linear(x, w, kernel)    # opaque to inductor: our kernels, not F.linear
         return y if b is None else y + b
-    if kernel == "flashrt" and 2 <= x.shape[0] <= native.SMALL_M_MAX and x.dim() == 2 \
-            and x.dtype == torch.float32 and w.is_contiguous():
+    if kernel == "flashrt" and x.dim() == 2 and w.is_contiguous() and w.dtype == x.dtype and (
+            (x.dtype == torch.float32 and 2 <= x.shape[0] <= native.SMALL_M_MAX)
+            or (x.dtype == torch.bfloat16 and 1 <= x.shape[0] <= native.SMALL_M_MAX_BF16)):
         # a strided x (e.g. Gated DeltaNet's output, (T, 2048) in the Qwen3.5 shape) is a few
         # KiB to copy; oneDNN would stream the weights at half the speed
-        y = native.small_m_linear(x.contiguous(), w)
+        y = native.small_m_linear(x.contiguous() if x.dtype == torch.float32 else x.float(), w)
+        y = y if x.dtype == torch.float32 else y.to(x.dtype)
         return y if b is None else y + b
     if kernel != "aten":
         y = torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
@@ -68,10 +71,10 @@ def select_linear_kernel(net: nn.Module, device: torch.device, dtype: torch.dtyp
 
     auto: oneDNN on CPU when it runs this dtype here and agrees with F.linear on a probe
     (measured on a 2-core AVX2 EPYC, fp32: one-token steps 2-3x faster than MKL's GEMV for
-    (out, in) weights, 512-token prefill GEMMs 10-20% faster), with 2-32-row steps on the
-    extension's small-M kernel where it runs (float32, x86-64 AVX2 + FMA, torch's OpenMP;
-    faster than oneDNN at 2-32 rows: bench/linear.py); aten elsewhere (CUDA, or bf16 on CPUs
-    without native bf16, where oneDNN has no inner product)."""
+    (out, in) weights, 512-token prefill GEMMs 10-20% faster), with short steps on the
+    extension's small-M kernel where it runs (x86-64 AVX2 + FMA, torch's OpenMP; fp32 at 2-32
+    rows, bf16 at 1-8: faster than oneDNN there, bench/linear.py); aten elsewhere (CUDA, or
+    bf16 on CPUs without native bf16, where oneDNN has no inner product)."""
     if want not in ("auto",) + LINEAR_KERNELS:
         raise ValueError(f"linear kernel {want!r}: expected auto, aten, onednn or flashrt")
     kernel = want
@@ -110,13 +113,13 @@ def _onednn_unusable(device: torch.device, dtype: torch.dtype) -> str | None:
 
 
 def _small_m_unusable(dtype: torch.dtype) -> str | None:
-    if dtype != torch.float32:
-        return f"the small-M kernel is float32 only, not {dtype}"
+    if dtype not in (torch.float32, torch.bfloat16):
+        return f"the small-M kernel takes float32 or bfloat16 weights, not {dtype}"
     if not native.SMALL_M_LINEAR:
         return f"the extension's small-M kernel does not run here ({native.ext_status()})"
     g = torch.Generator().manual_seed(1)
-    x, w = torch.randn(5, 67, generator=g), torch.randn(13, 67, generator=g)
-    if not torch.allclose(native.small_m_linear(x, w), F.linear(x, w), rtol=1e-4, atol=1e-4):
+    x, w = torch.randn(5, 67, generator=g), torch.randn(13, 67, generator=g).to(dtype)
+    if not torch.allclose(native.small_m_linear(x, w), F.linear(x, w.float()), rtol=1e-4, atol=1e-4):
         return "small-M kernel probe disagreed with F.linear"
     return None
 

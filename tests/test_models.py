@@ -20,7 +20,7 @@ def _ids(n, vocab=512, seed=0):
 def test_flashrt_kernel_dispatch():
     """2..32 float32 rows take the small-M kernel (bitwise what it gives alone; a strided x is
     made contiguous); one row, more rows and a strided weight take oneDNN; all agree with
-    F.linear."""
+    F.linear. bf16: 1..8 rows take it."""
     from flashrt.layers import linear
     g = torch.Generator().manual_seed(3)
     w = torch.randn(40, 24, generator=g)
@@ -35,6 +35,16 @@ def test_flashrt_kernel_dispatch():
     wt = torch.randn(24, 40, generator=g).t()
     torch.testing.assert_close(linear(xt.contiguous(), wt, kernel="flashrt"), xt @ wt.T,
                                rtol=1e-5, atol=1e-5)
+    # bf16 weights: 1..SMALL_M_MAX_BF16 rows summed in float32 by the small-M kernel, rounded once
+    wb = w.bfloat16()
+    for m in (1, 8, 9, 32):
+        x = torch.randn(m, 24, generator=g).bfloat16()
+        y = linear(x, wb, kernel="flashrt")
+        assert y.dtype == torch.bfloat16
+        torch.testing.assert_close(y.float(), x.float() @ wb.float().T, rtol=2 ** -7, atol=2 ** -7)
+        other = (native.small_m_linear(x.float(), wb).bfloat16() if m <= native.SMALL_M_MAX_BF16 else
+                 linear(x, wb, kernel="onednn"))
+        assert torch.equal(y, other), m
 
 
 @pytest.mark.parametrize("kernel", ["auto", "onednn", "aten"])
@@ -238,9 +248,9 @@ def test_linear_kernel_selection(runtime):
     assert {m.kernel for m in auto.net.modules() if isinstance(m, Linear)} == {want}
     with pytest.raises(ValueError, match="linear kernel 'fast'"):
         runtime("qwen3", linear_kernel="fast")
-    if native.SMALL_M_LINEAR:               # float32 only (and no bf16 oneDNN here): refused
-        with pytest.raises(ValueError, match="'flashrt' unavailable"):
-            runtime("qwen3", linear_kernel="flashrt", dtype="bfloat16")
+    if native.SMALL_M_LINEAR and want == "flashrt":     # bf16 weights take it too
+        bf = runtime("qwen3", dtype="bfloat16")
+        assert {m.kernel for m in bf.net.modules() if isinstance(m, Linear)} == {"flashrt"}
     # a capsule records the kernel as provenance only: it restores across kernels
     ids = _ids(20, seed=5)
     rt.prefill(ids)

@@ -69,13 +69,15 @@ needs_small_m = pytest.mark.skipif(not (native.HAVE_EXT and native._C.small_m_li
 
 
 @needs_small_m
+@pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 16, 31, 32, 33])
 @pytest.mark.parametrize("n, k", [(1, 1), (5, 7), (13, 64), (16, 9), (67, 1000), (130, 2051)])
-def test_small_m_linear_matches_a_double_reference(m, n, k):
+def test_small_m_linear_matches_a_double_reference(m, n, k, wdtype):
     """Every tile shape (3-row and 2/1-row remainders, 4..1-column blocks) and K tails under 8
-    against a float64 reference; 1 or 2 threads give the same bits (each output is one sum)."""
+    against a float64 reference (of the bf16 values, for bf16 weights: widening is exact);
+    1 or 2 threads give the same bits (each output is one sum)."""
     g = torch.Generator().manual_seed(m * 1000 + n + k)
-    x, w = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g)
+    x, w = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g).to(wdtype)
     ref = (x.double() @ w.double().T).float()
     got = native.small_m_linear(x, w)
     assert got.shape == (m, n)
@@ -90,12 +92,13 @@ def test_small_m_linear_matches_a_double_reference(m, n, k):
 
 
 @needs_small_m
+@pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("n, k", [(9, 4100), (64, 1031)])
-def test_small_m_linear_rows_do_not_depend_on_the_batch(n, k):
+def test_small_m_linear_rows_do_not_depend_on_the_batch(n, k, wdtype):
     """The k loop runs in chunks sized by M (and rows in groups of 32), with vector partial sums
     kept between chunks: each row must come out bitwise as it does alone or in any batch."""
     g = torch.Generator().manual_seed(n + k)
-    x, w = torch.randn(40, k, generator=g), torch.randn(n, k, generator=g)
+    x, w = torch.randn(40, k, generator=g), torch.randn(n, k, generator=g).to(wdtype)
     full = native.small_m_linear(x, w)
     for lo, hi in [(0, 1), (5, 7), (3, 19), (8, 40)]:
         assert torch.equal(native.small_m_linear(x[lo:hi].contiguous(), w), full[lo:hi])
@@ -105,6 +108,7 @@ def test_small_m_linear_rows_do_not_depend_on_the_batch(n, k):
 def test_small_m_linear_refuses_bad_arguments():
     x, w = torch.randn(4, 8), torch.randn(6, 8)
     for bad, msg in [((x.double(), w), "x must be"), ((x, w.t()), "w must be"),
+                     ((x.bfloat16(), w.bfloat16()), "x must be"), ((x, w.half()), "w must be"),
                      ((x, torch.randn(6, 9)), "do not multiply"), ((x[:, :0], w[:, :0]), "do not multiply")]:
         with pytest.raises(ValueError, match=msg):
             native.small_m_linear(*bad)
