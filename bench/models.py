@@ -2,7 +2,7 @@
 
 Prefill: time from token ids to the last position's logits (transformers: logits_to_keep=1,
 with its cache built as in any generate call). Decode: one step with the cache of a prefilled
-context (transformers: its own cache object via past_key_values, use_cache=True).
+context (transformers: its own cache object, use_cache=True).
 
     python bench/models.py                      # qwen3 at the real Qwen3-0.6B shape, fp32, CPU
     python bench/models.py --arch all --repeats 1

@@ -41,6 +41,8 @@ PYBIND11_MODULE(_C, m) {
 #endif
   m.def("small_m_linear_isa", &flashrt::launch::small_m_linear_isa,
         "'avx2-fma' where small_m_linear runs on this CPU, '' otherwise.");
+  m.def("small_m_linear_weight_dtypes", &flashrt::launch::small_m_linear_weight_dtypes,
+        "The weight dtypes small_m_linear takes.");
   m.def("xxh64", &flashrt::launch::xxh64, py::arg("ptr"), py::arg("nbytes"), py::arg("seed") = 0,
         "XXH64 of nbytes bytes at host address ptr, as an unsigned 64-bit int.");
   m.def("xxh3_isa", &flashrt::launch::xxh3_isa,

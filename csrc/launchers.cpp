@@ -84,6 +84,8 @@ void small_m_linear(std::uintptr_t x, std::uintptr_t w, std::uintptr_t y, int64_
 std::string small_m_linear_isa() { return ""; }
 #endif
 
+std::vector<std::string> small_m_linear_weight_dtypes() { return {"float32", "bfloat16"}; }
+
 #ifdef FLASHRT_WITH_CUDA
 void copy_segments_cuda(const Int64Array& src, const Int64Array& dst, const Int64Array& nbytes,
                         std::uintptr_t stream) {

@@ -42,6 +42,8 @@ void small_m_linear(std::uintptr_t x, std::uintptr_t w, std::uintptr_t y, int64_
                     int64_t k, int num_threads, bool bf16_weights);
 #endif
 std::string small_m_linear_isa();
+// The weight dtypes small_m_linear takes (a build from older sources lacks this name).
+std::vector<std::string> small_m_linear_weight_dtypes();
 
 uint64_t xxh64(std::uintptr_t ptr, int64_t nbytes, uint64_t seed);
 std::string xxh3_isa();

@@ -1,4 +1,4 @@
-// y = x w^T for a few rows of x (float32, AVX2 + FMA): the projections of a
+// y = x w^T for a few rows of x (x float32, w float32 or bf16; AVX2 + FMA): the projections of a
 // short step (a 16-token user turn after a capsule restore, a speculative
 // verify of k+1 tokens). At M = 2..32 oneDNN's and MKL's GEMMs pack the
 // weights per call and stream them at 5-6 GB/s. Here every weight row is read
@@ -12,8 +12,8 @@
 // of the 4 weight rows stays in L1 across the row tiles (vector partial sums
 // wait in a small buffer between chunks).
 //
-// bf16 weights (a bf16 model): each 8-weight load widens to float32 (a shift of the 16 bits),
-// then the same FMA tile; half the bytes stream, where oneDNN's bf16 GEMV reaches ~12 GB/s.
+// bf16 weights (a bf16 model; x stays float32): each 8-weight load widens to float32 (a shift
+// of the 16 bits), then the same FMA tile; half the bytes stream, where oneDNN's bf16 GEMV reaches 12-14 GB/s.
 //
 // Built with -mavx2 -mfma on x86-64 only, so this file holds no code that runs before the
 // launcher has checked the CPU (no static initializers, no CPU test of its own).

@@ -36,9 +36,9 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, kern
             or (x.dtype == torch.bfloat16 and 1 <= x.shape[0] <= native.SMALL_M_MAX_BF16)):
         # a strided x (e.g. Gated DeltaNet's output, (T, 2048) in the Qwen3.5 shape) is a few
         # KiB to copy; oneDNN would stream the weights at half the speed
-        y = native.small_m_linear(x.contiguous() if x.dtype == torch.float32 else x.float(), w)
-        y = y if x.dtype == torch.float32 else y.to(x.dtype)
-        return y if b is None else y + b
+        y = native.small_m_linear(x.contiguous().float(), w)
+        y = y if b is None else y + b          # float32 + a bf16 bias: still float32
+        return y.to(x.dtype)
     if kernel != "aten":
         y = torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
         return y if b is None else y + b

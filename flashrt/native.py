@@ -40,7 +40,7 @@ from .hash_fallback import xxh3_py, xxh64_py
 # then not used (the bench scripts attach an installed build only if it has them all).
 NEEDS = ("copy_segments_cpu", "xxh64", "xxh3_parts", "xxh3_isa", "zero_spans",
          "hash_blocks", "read_blocks_hashed", "load_known_table", "openmp_runtime", "CpuCopyPlan",
-         "has_cuda", "version", "small_m_linear_isa")
+         "has_cuda", "version", "small_m_linear_isa", "small_m_linear_weight_dtypes")
 
 try:
     from . import _C
@@ -96,7 +96,7 @@ COPIES_ON_TORCH_THREADS: bool = _copies_on_torch_threads()
 # its threads are torch's (a second OpenMP pool would fight torch's spinning workers).
 SMALL_M_LINEAR: bool = HAVE_EXT and bool(_C.small_m_linear_isa()) and COPIES_ON_TORCH_THREADS
 SMALL_M_MAX = 32      # measured: 1.3-1.8x oneDNN at M = 2..32; oneDNN's blocked GEMM wins above
-# bf16 weights: 1.1-2.0x oneDNN's bf16 inner product at M = 1..8 (its AVX512-BF16 dot products
+# bf16 weights: 1.2-1.7x oneDNN's bf16 inner product at M = 1..8 (its AVX512-BF16 dot products
 # win from ~10 rows on: bench/linear.py --dtype bfloat16)
 SMALL_M_MAX_BF16 = 8
 
@@ -312,7 +312,8 @@ def small_m_linear(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = 
         if t.dtype not in dtypes or t.dim() != 2 or not t.is_contiguous() or t.device.type != "cpu":
             raise ValueError(f"small_m_linear: {name} must be a contiguous 2-D "
                              f"{' or '.join(str(d)[6:] for d in dtypes)} CPU tensor, got "
-                             f"{t.dtype}, shape {tuple(t.shape)}, {t.device}")
+                             f"{t.dtype}, shape {tuple(t.shape)}, strides {t.stride()}"
+                             f"{'' if t.is_contiguous() else ' (not contiguous)'}, {t.device}")
     (m, k), (n, k2) = x.shape, w.shape
     if k != k2 or m == 0 or n == 0 or k == 0:
         raise ValueError(f"small_m_linear: x {tuple(x.shape)} and w {tuple(w.shape)} do not multiply")

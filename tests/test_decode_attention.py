@@ -144,19 +144,16 @@ def _compile_sm90(kernel, types: dict, constexprs: dict, num_warps: int, ints: d
                           options={"num_warps": num_warps})
 
 
-def _local_memory(kernel, tmp_path) -> tuple[int, int]:
-    """(registers, stack bytes) of a compiled kernel, read by the cuobjdump Triton carries."""
+def _resources(kernel, tool: Path, tmp_path) -> dict:
+    """{"REG": .., "STACK": .., "SHARED": .., "LOCAL": ..} of a compiled kernel (cuobjdump)."""
     import re
-    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    if not tool.exists():
-        pytest.skip(f"no cuobjdump in Triton's package ({tool})")
     f = tmp_path / "k.cubin"
     f.write_bytes(kernel.asm["cubin"])
     text = subprocess.run([str(tool), "--dump-resource-usage", str(f)], capture_output=True,
                           text=True, check=True).stdout
-    m = re.search(r"REG:(\d+) STACK:(\d+)", text)
-    assert m, text
-    return int(m.group(1)), int(m.group(2))
+    got = dict(re.findall(r"\b(REG|STACK|SHARED|LOCAL):(\d+)", text))
+    assert {"REG", "STACK", "LOCAL"} <= set(got), text
+    return {k: int(v) for k, v in got.items()}
 
 
 # the models' attention shapes (Hq, Hkv, D): Qwen3-0.6B, Qwen3.5-0.8B's full attention, LFM2-350M
@@ -191,5 +188,9 @@ def test_kernels_compile_for_sm90(dtype, T, Hq, Hkv, D, tmp_path):
     for k in (split, combine):
         assert k.asm["cubin"] and ".target sm_90" in k.asm["ptx"]
         assert k.metadata.shared <= 227 * 1024          # an H100/H200 block's shared memory
-        regs, stack = _local_memory(k, tmp_path)
-        assert stack == 0, f"{k.name}: {regs} registers and {stack} B of stack (spills), plan {p}"
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    if not tool.exists():
+        pytest.skip(f"compiled; the spill check needs the cuobjdump Triton ships ({tool} is missing)")
+    for k in (split, combine):
+        r = _resources(k, tool, tmp_path)
+        assert r["STACK"] == 0 and r["LOCAL"] == 0, f"{k.name} spills: {r}, plan {p}"

@@ -20,7 +20,7 @@ def _ids(n, vocab=512, seed=0):
 def test_flashrt_kernel_dispatch():
     """2..32 float32 rows take the small-M kernel (bitwise what it gives alone; a strided x is
     made contiguous); one row, more rows and a strided weight take oneDNN; all agree with
-    F.linear. bf16: 1..8 rows take it."""
+    F.linear."""
     from flashrt.layers import linear
     g = torch.Generator().manual_seed(3)
     w = torch.randn(40, 24, generator=g)
@@ -35,16 +35,38 @@ def test_flashrt_kernel_dispatch():
     wt = torch.randn(24, 40, generator=g).t()
     torch.testing.assert_close(linear(xt.contiguous(), wt, kernel="flashrt"), xt @ wt.T,
                                rtol=1e-5, atol=1e-5)
-    # bf16 weights: 1..SMALL_M_MAX_BF16 rows summed in float32 by the small-M kernel, rounded once
-    wb = w.bfloat16()
+
+
+def _onednn_runs_bf16() -> bool:
+    x = torch.ones(2, 16, dtype=torch.bfloat16)
+    try:
+        return bool(torch.backends.mkldnn.is_available() and
+                    torch.ops.mkldnn._linear_pointwise(x, x, None, "none", [], "").float().eq(16).all())
+    except RuntimeError:
+        return False
+
+
+@pytest.mark.skipif(not (native.SMALL_M_LINEAR and _onednn_runs_bf16()),
+                    reason="needs the small-M kernel and oneDNN's bf16 inner product")
+def test_flashrt_kernel_dispatch_bf16(monkeypatch):
+    """bf16 weights: 1..SMALL_M_MAX_BF16 rows (a strided x, a bias too) go to the small-M kernel
+    (counted: at small K its bits often equal oneDNN's), summed in float32 and rounded once."""
+    from flashrt.layers import linear
+    calls = []
+    kernel = native.small_m_linear
+    monkeypatch.setattr(native, "small_m_linear", lambda x, w: calls.append(x.shape[0]) or kernel(x, w))
+    g = torch.Generator().manual_seed(4)
+    w, b = torch.randn(40, 24, generator=g).bfloat16(), torch.randn(40, generator=g).bfloat16()
     for m in (1, 8, 9, 32):
         x = torch.randn(m, 24, generator=g).bfloat16()
-        y = linear(x, wb, kernel="flashrt")
+        calls.clear()
+        y = linear(x, w, kernel="flashrt")
+        assert calls == ([m] if m <= native.SMALL_M_MAX_BF16 else []), m
         assert y.dtype == torch.bfloat16
-        torch.testing.assert_close(y.float(), x.float() @ wb.float().T, rtol=2 ** -7, atol=2 ** -7)
-        other = (native.small_m_linear(x.float(), wb).bfloat16() if m <= native.SMALL_M_MAX_BF16 else
-                 linear(x, wb, kernel="onednn"))
-        assert torch.equal(y, other), m
+        torch.testing.assert_close(y.float(), x.float() @ w.float().T, rtol=2 ** -7, atol=2 ** -7)
+    xt = torch.randn(24, 4, generator=g).bfloat16().t()       # (4, 24), not contiguous
+    with_bias = linear(xt, w, b, kernel="flashrt")
+    assert torch.equal(with_bias, (kernel(xt.float().contiguous(), w) + b).bfloat16())
 
 
 @pytest.mark.parametrize("kernel", ["auto", "onednn", "aten"])
@@ -248,7 +270,7 @@ def test_linear_kernel_selection(runtime):
     assert {m.kernel for m in auto.net.modules() if isinstance(m, Linear)} == {want}
     with pytest.raises(ValueError, match="linear kernel 'fast'"):
         runtime("qwen3", linear_kernel="fast")
-    if native.SMALL_M_LINEAR and want == "flashrt":     # bf16 weights take it too
+    if native.SMALL_M_LINEAR and want == "flashrt" and _onednn_runs_bf16():   # bf16 weights too
         bf = runtime("qwen3", dtype="bfloat16")
         assert {m.kernel for m in bf.net.modules() if isinstance(m, Linear)} == {"flashrt"}
     # a capsule records the kernel as provenance only: it restores across kernels
