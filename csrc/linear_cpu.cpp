@@ -76,21 +76,21 @@ struct Prefetch {
   }
 };
 
-// The R x C tile's vector sums over `len` k-steps (a multiple of 8) from x and w, added to
-// `part` (R * C * 8 floats) unless `first`; x rows are ldx floats apart, w rows ldw weights.
+// The MR x NR tile's vector sums over k in [k0, k1) (multiples of 8), added to `part`
+// (MR * NR * 8 floats) unless `first`; x and w rows are K elements apart.
 template <int R, int C, typename W>
-inline void tile(const float* x, int64_t ldx, const W* w, int64_t ldw, float* part, int64_t len,
+inline void tile(const float* x, const W* w, float* part, int64_t K, int64_t k0, int64_t k1,
                  bool first, Prefetch& pf) {
   __m256 acc[R][C];
   for (int m = 0; m < R; ++m)
     for (int n = 0; n < C; ++n)
       acc[m][n] = first ? _mm256_setzero_ps() : _mm256_load_ps(part + (m * C + n) * 8);
-  for (int64_t k = 0; k < len; k += 8) {
+  for (int64_t k = k0; k < k1; k += 8) {
     pf.step();
     __m256 xv[R];
-    for (int m = 0; m < R; ++m) xv[m] = _mm256_loadu_ps(x + m * ldx + k);
+    for (int m = 0; m < R; ++m) xv[m] = _mm256_loadu_ps(x + m * K + k);
     for (int n = 0; n < C; ++n) {
-      const __m256 wv = load8(w + n * ldw + k);
+      const __m256 wv = load8(w + n * K + k);
       for (int m = 0; m < R; ++m) acc[m][n] = _mm256_fmadd_ps(xv[m], wv, acc[m][n]);
     }
   }
@@ -99,12 +99,12 @@ inline void tile(const float* x, int64_t ldx, const W* w, int64_t ldw, float* pa
 }
 
 template <int C, typename W>
-inline void tile_rows(int rows, const float* x, int64_t ldx, const W* w, int64_t ldw, float* part,
-                      int64_t len, bool first, Prefetch& pf) {
+inline void tile_rows(int rows, const float* x, const W* w, float* part, int64_t K, int64_t k0,
+                      int64_t k1, bool first, Prefetch& pf) {
   switch (rows) {
-    case 3: tile<3, C>(x, ldx, w, ldw, part, len, first, pf); break;
-    case 2: tile<2, C>(x, ldx, w, ldw, part, len, first, pf); break;
-    default: tile<1, C>(x, ldx, w, ldw, part, len, first, pf); break;
+    case 3: tile<3, C>(x, w, part, K, k0, k1, first, pf); break;
+    case 2: tile<2, C>(x, w, part, K, k0, k1, first, pf); break;
+    default: tile<1, C>(x, w, part, K, k0, k1, first, pf); break;
   }
 }
 
@@ -117,10 +117,10 @@ void column_block(const float* x, int64_t M, const W* w, float* y, int64_t K, in
   // x chunk (M x kc floats) + weight chunk (C x kc) within half of a 32 KiB L1
   const int64_t kc = std::max<int64_t>(64, std::min<int64_t>(512, (4096 / M) & ~int64_t{7}));
   for (int64_t k0 = 0; k0 < K8; k0 += kc) {
-    const int64_t len = std::min(K8, k0 + kc) - k0;
+    const int64_t k1 = std::min(K8, k0 + kc);
     for (int64_t m = 0; m < M; m += MR)
-      tile_rows<C>(static_cast<int>(std::min<int64_t>(MR, M - m)), x + m * K + k0, K, w + k0, K,
-                   part + m * C * 8, len, k0 == 0, pf);
+      tile_rows<C>(static_cast<int>(std::min<int64_t>(MR, M - m)), x + m * K, w, part + m * C * 8, K,
+                   k0, k1, k0 == 0, pf);
   }
   for (int64_t m = 0; m < M; ++m)
     for (int n = 0; n < C; ++n) {
