@@ -3,7 +3,8 @@ rows through every projection of the model (the weights stream from DRAM, as in 
 the LM head is left out: it runs on one row), with oneDNN's inner product, the extension's
 small-M kernel (csrc/linear_cpu.cpp) and F.linear (MKL). M = 16 is a user turn after a capsule
 restore; 2-8 a speculative verify; 1 a decode step. --dtype bfloat16: bf16 weights (the
-small-M kernel widens them to float32 in registers and rounds each output once).
+small-M kernel widens them to float32 in registers and rounds each output once), plus oneDNN's
+float32 inner product on weights widened per call; oneDNN's own bf16 column only where it runs bf16.
 
     python bench/linear.py [--arch qwen3_5] [--size real] [--rows 1 2 4 8 16 32] [--repeats 7]
                            [--dtype bfloat16]
@@ -36,7 +37,7 @@ def main(argv=None) -> int:
     import torch
     import torch.nn.functional as F
     from flashrt import native
-    from flashrt.layers import Linear, linear
+    from flashrt.layers import WIDEN, Linear, small_m_rows, linear
     if not native.SMALL_M_LINEAR:
         raise SystemExit(f"the small-M kernel does not run here: {native.ext_status()}")
     torch.set_grad_enabled(False)
@@ -45,10 +46,15 @@ def main(argv=None) -> int:
     ws = [m.weight for m in rt.net.modules() if isinstance(m, Linear) and m.weight.shape[0] != rt.net.vocab_size]
     nbytes = sum(w.numel() * w.element_size() for w in ws)
     bf16 = a.dtype == "bfloat16"
-    # bf16: every M on the small-M kernel, to show where oneDNN's bf16 dot products take over
+    # bf16: every M on the small-M kernel, to show where the other kernels take over
     small = ((lambda x, w: native.small_m_linear(x.float(), w).to(x.dtype)) if bf16 else
              (lambda x, w: native.small_m_linear(x, w) if x.shape[0] > 1 else linear(x, w, kernel="onednn")))
-    fns = {"onednn": lambda x, w: linear(x, w, kernel="onednn"), "small-M": small, "F.linear": F.linear}
+    fns = {"small-M": small, "F.linear": F.linear}
+    if rt.net.linear_kernel != WIDEN:           # oneDNN runs this dtype here
+        fns["onednn"] = lambda x, w: linear(x, w, kernel="onednn")
+    if bf16:                                    # what WIDEN runs above its small-M rows
+        fns["widened"] = lambda x, w: torch.ops.mkldnn._linear_pointwise(
+            x.float(), w.float(), None, "none", [], "").to(x.dtype)
     g = torch.Generator().manual_seed(0)
     xs = {k: torch.randn(max(a.rows), k, generator=g).to(ws[0].dtype) for k in {w.shape[1] for w in ws}}
     cases, diffs = {}, {}
@@ -59,16 +65,22 @@ def main(argv=None) -> int:
         got = [fns["small-M"](xs[w.shape[1]][:M], w) for w in ws]
         diffs[M] = max(float(((y - r) / r.abs().max()).abs().max()) for y, r in zip(got, ref))
     st = C.measure(cases, a.repeats, a.warmup, a.device, desc="linear")
+    others = [k for k in ("onednn", "widened") if k in fns]
+    names = {"onednn": "oneDNN", "widened": "oneDNN widened"}
     t = C.Table(f"{C.label(a.arch, a.size)}: all {len(ws)} projections of one step, M rows "
                 f"({C.fmt_bytes(nbytes)} of {a.dtype} weights)",
-                ["rows", "oneDNN ms", "small-M ms", "F.linear ms", "oneDNN/small-M", "weights GB/s (small-M)"])
+                ["rows"] + [f"{names[k]} ms" for k in others] + ["small-M ms", "F.linear ms"]
+                + [f"{names[k]}/small-M" for k in others] + ["weights GB/s (small-M)"])
     for M in a.rows:
         s = st[f"small-M M={M}"]
-        t.add(M, st[f"onednn M={M}"].ms(), s.ms(), st[f"F.linear M={M}"].ms(),
-              C.fmt_ratio(C.ratio(st[f"onednn M={M}"], s)), f"{nbytes / s.median / 1e9:.1f}")
-    t.notes.append("ratio > 1: the small-M kernel faster; " + (
-        f"the runtime takes it for 1..{native.SMALL_M_MAX_BF16} bf16 rows" if bf16 else
-        "M = 1 runs oneDNN in both columns (the runtime's choice for one row)"))
+        t.add(M, *[st[f"{k} M={M}"].ms() for k in others], s.ms(), st[f"F.linear M={M}"].ms(),
+              *[C.fmt_ratio(C.ratio(st[f"{k} M={M}"], s)) for k in others], f"{nbytes / s.median / 1e9:.1f}")
+    lo, hi = small_m_rows(rt.net.linear_kernel, ws[0].dtype)
+    t.notes.append(f"ratio > 1: the small-M kernel faster; the runtime ({rt.net.linear_kernel!r}) "
+                   f"takes it for {lo}..{hi} rows" + ("" if bf16 else ", oneDNN for one row"))
+    if "widened" in fns:
+        t.notes.append("oneDNN widened: float32 inner product on the bf16 weight widened per call "
+                       "(the runtime's path for longer steps where oneDNN has no bf16)")
     t.notes.append(f"small-M vs a float64 reference: max relative error {max(diffs.values()):.1e}")
     t.notes.append(f"weights: {C.short_path(path)} (random)")
     print()

@@ -28,11 +28,12 @@ def load(path, device="cpu", dtype=None, max_seq_len: int = 4096, cuda_graphs: b
 
     sessions > 1 pre-allocates (and on CUDA pre-captures) that many sessions in total, so
     `fork()` never allocates or captures on the hot path; it raises when none is free.
-    linear_kernel: "auto" (on CPU: "flashrt" for float32 and bf16 where oneDNN runs the dtype
-    and the extension's small-M kernel runs, else "onednn" where oneDNN runs it; else "aten"),
-    "flashrt" (oneDNN, with 2-32-row float32 steps and 1-8-row bf16 steps on the small-M
-    kernel), "onednn" or "aten" (F.linear, transformers' kernel: bitwise-comparable with it;
-    for debugging).
+    linear_kernel: "auto" (on CPU: "flashrt" where the extension's small-M kernel runs, else
+    "onednn" where oneDNN runs the dtype; else "aten"), "flashrt" (oneDNN, with 2-32-row float32
+    steps and 1-8-row bf16 steps on the small-M kernel; bf16 where oneDNN has no bf16, as on
+    AVX2-only CPUs: 1-32 rows on the small-M kernel, longer steps on oneDNN in float32 from
+    weights widened per call, reported as "flashrt-widen"), "onednn" or "aten" (F.linear,
+    transformers' kernel: bitwise-comparable with it; for debugging).
     compile: steps of up to 64 positions run as torch.compile'd (inductor) bodies, captured
     after compiling on CUDA; the chosen linear kernels stay whole inside them (one custom op).
     Off by default: each body compiles on first use (seconds to minutes); bench/compile.py

@@ -20,6 +20,18 @@ from flashrt import native
 
 
 LINEAR_KERNELS = ("aten", "onednn", "flashrt")
+# "flashrt" resolves to this for bf16 weights where oneDNN has no bf16 inner product (AVX2-only
+# CPUs): there F.linear's bf16 GEMM runs ~0.5 ms per row of a 3584x1024 weight (bench/linear.py)
+WIDEN = "flashrt-widen"
+
+
+def small_m_rows(kernel: str, dtype: torch.dtype) -> tuple[int, int]:
+    """Rows [lo, hi] of a step that the small-M kernel takes under `kernel`."""
+    if dtype == torch.float32:
+        return 2, native.SMALL_M_MAX
+    if dtype == torch.bfloat16:
+        return 1, native.SMALL_M_MAX if kernel == WIDEN else native.SMALL_M_MAX_BF16
+    return 1, 0
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, kernel: str = "aten"):
@@ -27,22 +39,28 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, kern
     the op torch.compile's CPU backend emits; "flashrt": the same, except a few rows (a decode
     step in bf16; a short step in either: a user turn, a speculative verify) go to the
     extension's small-M kernel: float32 at 2..SMALL_M_MAX rows, bf16 weights at
-    1..SMALL_M_MAX_BF16 (summed in float32, rounded to bf16 once); "aten": F.linear."""
+    1..SMALL_M_MAX_BF16 (summed in float32, rounded to bf16 once); WIDEN: bf16 weights at
+    1..SMALL_M_MAX rows on the small-M kernel, longer steps on oneDNN in float32 from weights
+    widened per call (exact), rounded to bf16 once; "aten": F.linear."""
     if kernel != "aten" and torch.compiler.is_compiling():
         y = torch.ops.flashrt.linear(x, w, kernel)    # opaque to inductor: our kernels, not F.linear
         return y if b is None else y + b
-    if kernel == "flashrt" and x.dim() == 2 and w.is_contiguous() and w.dtype == x.dtype and (
-            (x.dtype == torch.float32 and 2 <= x.shape[0] <= native.SMALL_M_MAX)
-            or (x.dtype == torch.bfloat16 and 1 <= x.shape[0] <= native.SMALL_M_MAX_BF16)):
+    if kernel == "aten":
+        return F.linear(x, w, b)
+    lo, hi = small_m_rows(kernel, x.dtype)
+    if (kernel != "onednn" and x.dim() == 2 and lo <= x.shape[0] <= hi and w.is_contiguous()
+            and w.dtype == x.dtype):
         # a strided x (e.g. Gated DeltaNet's output, (T, 2048) in the Qwen3.5 shape) is a few
         # KiB to copy; oneDNN would stream the weights at half the speed
         y = native.small_m_linear(x.contiguous().float(), w)
-        y = y if b is None else y + b          # float32 + a bf16 bias: still float32
-        return y.to(x.dtype)
-    if kernel != "aten":
+    elif kernel == WIDEN and x.dtype == torch.bfloat16:
+        # (out, in) float32 copy per call: at >32 rows the GEMM outweighs widening the weight
+        y = torch.ops.mkldnn._linear_pointwise(x.float(), w.float(), None, "none", [], "")
+    else:
         y = torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
         return y if b is None else y + b
-    return F.linear(x, w, b)
+    y = y if b is None else y + b          # float32 + a bf16 bias: still float32
+    return y.to(x.dtype)
 
 
 @torch.library.custom_op("flashrt::linear", mutates_args=())
@@ -73,21 +91,24 @@ def select_linear_kernel(net: nn.Module, device: torch.device, dtype: torch.dtyp
     (measured on a 2-core AVX2 EPYC, fp32: one-token steps 2-3x faster than MKL's GEMV for
     (out, in) weights, 512-token prefill GEMMs 10-20% faster), with short steps on the
     extension's small-M kernel where it runs (x86-64 AVX2 + FMA, torch's OpenMP; fp32 at 2-32
-    rows, bf16 at 1-8: faster than oneDNN there, bench/linear.py); aten elsewhere (CUDA, or
-    bf16 on CPUs without native bf16, where oneDNN has no inner product)."""
+    rows, bf16 at 1-8: faster than oneDNN there, bench/linear.py); for bf16 where oneDNN has no
+    bf16 inner product (AVX2 only) the small-M kernel up to 32 rows and oneDNN on widened weights
+    above (WIDEN); aten elsewhere (CUDA; CPUs with neither)."""
     if want not in ("auto",) + LINEAR_KERNELS:
         raise ValueError(f"linear kernel {want!r}: expected auto, aten, onednn or flashrt")
-    kernel = want
+    kernel = "aten"
     if want != "aten":
-        why = _onednn_unusable(device, dtype)
-        if why and want != "auto":
-            raise ValueError(f"linear kernel {want!r} unavailable: {why}")
-        kernel = "aten" if why else "onednn"
-    if want in ("auto", "flashrt") and kernel == "onednn":
-        why = _small_m_unusable(dtype)
-        if why and want == "flashrt":
-            raise ValueError(f"linear kernel 'flashrt' unavailable: {why}")
-        kernel = "onednn" if why else "flashrt"
+        no_onednn = _onednn_unusable(device, dtype)
+        no_small_m = None if want == "onednn" else _small_m_unusable(dtype)
+        widen = (no_onednn and want != "onednn" and not no_small_m and dtype == torch.bfloat16
+                 and not _onednn_unusable(device, torch.float32))
+        if widen:
+            kernel = WIDEN
+        elif no_onednn or (want == "flashrt" and no_small_m):
+            if want != "auto":
+                raise ValueError(f"linear kernel {want!r} unavailable: {no_onednn or no_small_m}")
+        else:
+            kernel = "onednn" if no_small_m else "flashrt"
     for m in net.modules():
         if isinstance(m, Linear):
             m.kernel = kernel

@@ -69,6 +69,31 @@ def test_flashrt_kernel_dispatch_bf16(monkeypatch):
     assert torch.equal(with_bias, (kernel(xt.float().contiguous(), w) + b).bfloat16())
 
 
+@pytest.mark.skipif(not native.SMALL_M_LINEAR, reason="small-M kernel does not run here")
+def test_widen_kernel_dispatch(monkeypatch):
+    """WIDEN (bf16 where oneDNN has none; forced here, oneDNN float32 runs everywhere): 1..32
+    rows on the small-M kernel (counted), more rows bitwise oneDNN's float32 product of the
+    widened weight, rounded once; a bias is added before that rounding."""
+    from flashrt.layers import WIDEN, linear
+    calls = []
+    kernel = native.small_m_linear
+    monkeypatch.setattr(native, "small_m_linear", lambda x, w: calls.append(x.shape[0]) or kernel(x, w))
+    g = torch.Generator().manual_seed(5)
+    w, b = torch.randn(40, 24, generator=g).bfloat16(), torch.randn(40, generator=g).bfloat16()
+    for m in (1, 8, 9, 32, 33, 64):
+        x = torch.randn(m, 24, generator=g).bfloat16()
+        calls.clear()
+        y = linear(x, w, b, kernel=WIDEN)
+        assert calls == ([m] if m <= native.SMALL_M_MAX else []), m
+        if m > native.SMALL_M_MAX:
+            wide = torch.ops.mkldnn._linear_pointwise(x.float(), w.float(), None, "none", [], "")
+            assert torch.equal(y, (wide + b).bfloat16())
+        assert y.dtype == torch.bfloat16
+        torch.testing.assert_close(y.float(), x.float() @ w.float().T + b.float(), rtol=2 ** -7, atol=2 ** -6)
+    x32, w32 = torch.randn(3, 24, generator=g), torch.randn(40, 24, generator=g)   # float32 layers
+    assert torch.equal(linear(x32, w32, kernel=WIDEN), kernel(x32, w32))
+
+
 @pytest.mark.parametrize("kernel", ["auto", "onednn", "aten"])
 @pytest.mark.parametrize("arch", ARCHS)
 def test_parity_teacher_forced(arch, kernel, ckpt, runtime):
@@ -259,7 +284,7 @@ def test_bf16_parity(arch, ckpt, runtime):
 
 
 def test_linear_kernel_selection(runtime):
-    from flashrt.layers import Linear
+    from flashrt.layers import WIDEN, Linear
     rt = runtime("qwen3", linear_kernel="aten")
     kernels = {m.kernel for m in rt.net.modules() if isinstance(m, Linear)}
     assert kernels == {"aten"} and rt.net.linear_kernel == "aten" == rt.model.linear_kernel
@@ -270,9 +295,14 @@ def test_linear_kernel_selection(runtime):
     assert {m.kernel for m in auto.net.modules() if isinstance(m, Linear)} == {want}
     with pytest.raises(ValueError, match="linear kernel 'fast'"):
         runtime("qwen3", linear_kernel="fast")
-    if native.SMALL_M_LINEAR and want == "flashrt" and _onednn_runs_bf16():   # bf16 weights too
+    if native.SMALL_M_LINEAR and want == "flashrt":   # bf16 weights: oneDNN's bf16 or widened weights
         bf = runtime("qwen3", dtype="bfloat16")
-        assert {m.kernel for m in bf.net.modules() if isinstance(m, Linear)} == {"flashrt"}
+        want_bf = "flashrt" if _onednn_runs_bf16() else WIDEN
+        assert {m.kernel for m in bf.net.modules() if isinstance(m, Linear)} == {want_bf}
+        assert runtime("qwen3", dtype="bfloat16", linear_kernel="flashrt").net.linear_kernel == want_bf
+        if want_bf == WIDEN:
+            with pytest.raises(ValueError, match="linear kernel 'onednn' unavailable: oneDNN refused"):
+                runtime("qwen3", dtype="bfloat16", linear_kernel="onednn")
     # a capsule records the kernel as provenance only: it restores across kernels
     ids = _ids(20, seed=5)
     rt.prefill(ids)
