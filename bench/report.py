@@ -63,7 +63,9 @@ def section(payloads: list) -> str:
     parts = []
     for d in payloads:
         m = d.get("machine", {})
-        where = m.get("gpu") or f"{m.get('cpu')} x{m.get('cpu_count')}"
+        # the CPU kernels chosen depend on these (bf16 on oneDNN needs avx512_bf16)
+        flags = f" ({' '.join(m['cpu_flags'])})" if m.get("cpu_flags") else ""
+        where = m.get("gpu") or f"{m.get('cpu')} x{m.get('cpu_count')}{flags}"
         parts.append(f"_{where}, {m.get('device')} {m.get('dtype')}, torch {m.get('torch')} "
                      f"({m.get('torch_threads')} threads), transformers {m.get('transformers')}, "
                      f"flashrt {str(m.get('flashrt_commit'))[:12]}, {m.get('date')}; "
