@@ -79,13 +79,17 @@ def bench_arch(arch, a, tables):
     lf = rt.prefill(ids)
     lh, cache = C.hf_forward(hf, ids, a.device)
     stf, sth = C.Stats(), C.Stats()
-    state = {"f": lf, "h": lh, "cache": cache}
+    state = {"f": lf, "h": lh, "cache": cache, "diff": 0.0}
+    # both systems decode flashrt's greedy tokens: each feeding its own argmax, bf16 noise on
+    # random weights' flat logits splits the two histories, and the logit check compares nothing
 
     def f_step():
-        state["f"] = rt.decode(int(state["f"].argmax()))
+        state["tok"] = int(state["f"].argmax())
+        state["f"] = rt.decode(state["tok"])
 
     def h_step():
-        state["h"], state["cache"] = C.hf_forward(hf, [int(state["h"].argmax())], a.device, state["cache"])
+        state["h"], state["cache"] = C.hf_forward(hf, [state["tok"]], a.device, state["cache"])
+        state["diff"] = max(state["diff"], float((state["f"] - state["h"]).abs().max()))
 
     for i in C.progress(range(a.warmup + a.decode_steps), desc=f"{arch} decode"):
         df, _ = C.time_once(f_step, a.device)
@@ -93,10 +97,10 @@ def bench_arch(arch, a, tables):
         if i >= a.warmup:
             stf.samples.append(df)
             sth.samples.append(dh)
-    diff = float((state["f"] - state["h"]).abs().max())
+    diff = state["diff"]
     r = C.ratio(stf, sth)
     res["decode"] = {"context": ctx, "steps": a.decode_steps, "flashrt": stf, "transformers": sth,
-                     "ratio": r, "max_abs_logit_diff_last_step": diff}
+                     "ratio": r, "max_abs_logit_diff": diff}
     t.add(f"decode step @{ctx}", stf.ms(), sth.ms(), C.fmt_ratio(r), f"{diff:.2e}")
     if rt.graphs is not None and rt.graphs.captured:     # graph replay against eager, same weights
         eager = type(rt)(rt.model, dataclasses.replace(rt.options, cuda_graphs=False))
