@@ -324,11 +324,13 @@ class Session:
         """Refuse, naming the field, a capsule this session could not restore (see restore)."""
         self.copier.check_fits(cap, self.fingerprint, self.capacity)
 
-    def park(self) -> Parked:
-        """Take this history out of the arena (one copy of its state) so that another may use
-        it; unpark() puts it back byte for byte, with its checkpoints and delta anchors."""
+    def park(self, into: Capsule | None = None) -> Parked:
+        """Take this history out of the arena (one copy of its state, into `into` when given:
+        see empty_capsule) so that another may use it; unpark() puts it back byte for byte,
+        with its checkpoints and delta anchors, and leaves the parked buffer free for reuse."""
         with self._lock:
-            parked = Parked(self.copier.snapshot(self._position, self._meta()), self._sources)
+            parked = Parked(self.copier.snapshot(self._position, self._meta(), into=into),
+                            self._sources)
             self._sources = Sources(self.options.max_checkpoints)
             return parked
 

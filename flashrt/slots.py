@@ -10,7 +10,10 @@ import threading
 import weakref
 
 from flashrt.capsules.types import Capsule
-from flashrt.session import Parked, Session
+from flashrt.session import Session
+
+_SPARE_ROWS = 256     # a parked buffer holds its rows rounded up to this: it serves a few turns
+_MAX_SPARES = 2       # freed parked buffers kept for reuse (the largest, when more are freed)
 
 
 class Slot:
@@ -23,7 +26,10 @@ class Slot:
         self.graphs = None                 # the layer above's captured bodies over this arena
         self.lock = threading.RLock()      # members share the buffers: one steps at a time
         self._resident = weakref.ref(first) if first is not None else None
-        self._away = weakref.WeakKeyDictionary()   # member -> Parked | Capsule (to restore)
+        self._away = weakref.WeakKeyDictionary()   # member -> (Parked, rows) | Capsule (to restore)
+        # parked buffers an unpark freed, (capsule, rows): a switch copies into one of them,
+        # since a fresh buffer costs page faults worth 10-40 state copies on CPU
+        self._spares: list = []
 
     def resident(self, member) -> bool:
         return self._resident is not None and self._resident() is member
@@ -42,15 +48,32 @@ class Slot:
                 return
             old = self._resident() if self._resident is not None else None
             if old is not None:
-                self._away[old] = self.session.park()
+                self._away[old] = self._park()
             state = self._away.pop(member, None)
-            if isinstance(state, Parked):
-                self.session.unpark(state)
+            if isinstance(state, tuple):
+                self.session.unpark(state[0])
+                self._keep_spare(state)
             elif state is not None:
                 self.session.restore(state)
             else:                             # a member that never held state: empty
                 self.session.reset()
             self._resident = weakref.ref(member)
+
+    def _park(self) -> tuple:
+        """The resident's state into a spare buffer that holds its rows (or a new one)."""
+        s = self.session
+        fits = [i for i, (_, rows) in enumerate(self._spares) if rows >= s.position]
+        if fits:
+            buf, rows = self._spares.pop(fits[0])
+        else:
+            rows = min(s.capacity, -(-(s.position + 1) // _SPARE_ROWS) * _SPARE_ROWS)
+            buf = s.empty_capsule(rows)
+        return s.park(into=buf), rows
+
+    def _keep_spare(self, away: tuple) -> None:
+        self._spares.append((away[0].capsule, away[1]))
+        self._spares.sort(key=lambda sp: -sp[1])
+        del self._spares[_MAX_SPARES:]
 
     def take(self, member) -> Session:
         """The session, holding member's state (its turn taken if another member held it)."""
@@ -70,11 +93,14 @@ class Slot:
             if self.resident(member):
                 return self.session.position
             state = self._away.get(member)
-            return 0 if state is None else state.position
+            return 0 if state is None else state[0].position if isinstance(state, tuple) \
+                else state.position
 
     def leave(self, member) -> None:
         """member is done: its parked state is dropped; the arena is free for the next."""
         with self.lock:
-            self._away.pop(member, None)
+            state = self._away.pop(member, None)
+            if isinstance(state, tuple):
+                self._keep_spare(state)
             if self.resident(member):
                 self._resident = None

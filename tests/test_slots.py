@@ -137,3 +137,32 @@ def test_shared_fork_reuses_the_speculative_bodies(runtime):
     for seed, prompt_seed, rt in ((7, 21, parent), (8, 22, child)):
         want = alone(prompt_seed, seed)
         assert got[seed] == want[0] and torch.equal(state_bytes(rt), want[1])
+
+
+def test_turn_switches_copy_into_reused_buffers(runtime, monkeypatch):
+    """A switch parks the resident into a buffer an earlier unpark freed: once two members
+    have each been parked, turns allocate nothing while positions stay within the buffers'
+    rows (a fresh buffer costs page faults on CPU), and both continue as if alone."""
+    from flashrt.capsules.copy import Copier
+    made = []
+    for name in ("empty", "_fresh"):       # the two ways a capsule buffer is allocated
+        real = getattr(Copier, name)
+        monkeypatch.setattr(Copier, name, lambda self, *a, real=real, **k: made.append(1) or real(self, *a, **k))
+    parent = _graph_rt(runtime, "qwen3_5")
+    parent.prefill(_ids(20, 30))
+    cap = parent.snapshot()
+    child = parent.fork(share=True)
+    made.clear()
+    toks = [3, 4, 5, 6, 7, 8, 9]
+    for i, t in enumerate(toks):
+        child.decode(t)
+        parent.decode(t + 10)
+        if i == 1:                     # warm: each member has been parked once
+            warm = len(made)
+    assert warm == 2 and len(made) == warm     # one park buffer per member, then none
+    alone = _graph_rt(runtime, "qwen3_5")
+    alone.restore(cap)
+    for t in toks:
+        alone.decode(t)
+    assert child.position == alone.position == 27
+    assert torch.equal(state_bytes(child), state_bytes(alone))
