@@ -4,15 +4,15 @@ drift on a shared machine hits both; each timed cell is compared across the runs
     python bench/ab.py --a OLD_TREE --a-python OLD_VENV/bin/python --runs 5 -- \
         bench/capsules.py --arch qwen3 --mib 1 4 16 64 --no-progress
 
-A cell ("12.3 [11.0-14.1]" ms, or a "1.15x" ratio) regresses in B when B's median over the runs
-is more than 5% worse than A's and outside A's interquartile range. Prints every cell and
-writes bench/results/ab-<bench>.json.
+A cell is one timing the benchmark recorded (a median_ms in its JSON data, at full resolution;
+time: lower is better). It regresses in B when B's median over the runs is more than 5% above
+A's and outside A's interquartile range. Ratios are not cells: each is two timings, compared
+on their own. Prints every cell and writes bench/results/ab-<bench>.json.
 """
 from __future__ import annotations
 
 import argparse
 import json
-import re
 import statistics
 import os
 import subprocess
@@ -21,23 +21,23 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-_NUM = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*(x?)")
 
 
 def cells(payload: dict) -> dict:
-    """{(table, row label, column): value} for every ms or ratio cell (lower is better)."""
+    """{path in the JSON data: median ms} for every timing the bench recorded (Stats.to_json)."""
     out = {}
-    for t in payload.get("tables", []):
-        title = t["title"].split("(")[0].strip()        # drop run details (temp paths, sizes)
-        for row in t["rows"]:
-            label = " / ".join(str(c) for c in row[:2])
-            prev = ""
-            for h, c in zip(t["headers"], row):
-                m = _NUM.match(str(c))
-                name = f"{h} ({prev})" if "ratio" in h else h     # a ratio names what it divides
-                if m and ("ms" in h or "ratio" in h or m.group(2) == "x"):
-                    out[(title, label, name)] = float(m.group(1))
-                prev = h if "ratio" not in h else prev
+
+    def walk(node, path):
+        if isinstance(node, dict):
+            if "median_ms" in node and "samples_ms" in node:
+                out[path] = float(node["median_ms"])
+                return
+            for k, v in node.items():
+                walk(v, (*path, str(k)))
+        elif isinstance(node, list):
+            for i, v in enumerate(node):
+                walk(v, (*path, str(i)))
+    walk(payload.get("data", {}), ())
     return out
 
 
@@ -86,8 +86,8 @@ def main(argv=None) -> int:
         rows.append({"cell": list(k), "A": va, "B": vb, "median_A": ma, "median_B": mb,
                      "iqr_A": qa, "iqr_B": quartiles(vb), "regression": worse})
         bad += [k] if worse else []
-        print(f"{'REGRESSION' if worse else 'ok        '} {k[0][:40]} | {k[1]} | {k[2]}: "
-              f"A {ma:.3g} [{qa[0]:.3g}-{qa[1]:.3g}]  B {mb:.3g}  B/A {mb / ma:.2f}")
+        print(f"{'REGRESSION' if worse else 'ok        '} {' / '.join(k)}: "
+              f"A {ma:.4g} ms [{qa[0]:.4g}-{qa[1]:.4g}]  B {mb:.4g}  B/A {mb / ma:.2f}")
     name = Path(cmd[0]).stem
     out = Path(a.out or ROOT / "bench" / "results" / f"ab-{name}.json")
     out.write_text(json.dumps({"command": " ".join(["python bench/ab.py", *(argv or sys.argv[1:])]),

@@ -365,10 +365,12 @@ def result_path(name: str, args) -> Path:
     return RESULTS / (stem + (".quick" if args.quick else "") + ".json")
 
 
-def write_json(name: str, args, info: dict, tables: list, data: dict, argv) -> Path:
+def write_json(name: str, args, info: dict, tables: list, data: dict, argv,
+               script: str | None = None) -> Path:
+    """script: bench/<script>.py when the result's name is not the script's (default: name)."""
     path = result_path(name, args)
     path.parent.mkdir(parents=True, exist_ok=True)
-    payload = {"bench": name, "note": RANDOM_NOTE, "command": command_line(name, argv),
+    payload = {"bench": name, "note": RANDOM_NOTE, "command": command_line(script or name, argv),
                "quick": bool(args.quick), "machine": info,
                "tables": [t.to_json() for t in tables], "data": data}
     tmp = path.with_name(path.name + ".tmp")

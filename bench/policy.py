@@ -286,7 +286,7 @@ def main(argv=None) -> int:
     data = {"size": a.size, "flashrt": fl, "lerobot": L, "lerobot_note": note,
             "max_abs_diff": diff, "n_action_steps": n, "state_bytes": extra["state_bytes"],
             "torch_threads": torch.get_num_threads()}
-    C.write_json(name, a, info, [t], data, argv)
+    C.write_json(name, a, info, [t], data, argv, script="policy")
     return 0
 
 

@@ -58,6 +58,12 @@ def load_results(results: Path, include_quick: bool) -> dict:
     return out
 
 
+def _commit(machine: dict) -> str:
+    """The measured tree: 12 hex digits, and -dirty when it had uncommitted changes."""
+    c = str(machine.get("flashrt_commit") or "?")
+    return c[:12] + ("-dirty" if c.endswith("-dirty") else "")
+
+
 def section(payloads: list) -> str:
     """Markdown for one bench: for each result file, its machine line, command and tables."""
     parts = []
@@ -68,7 +74,7 @@ def section(payloads: list) -> str:
         where = m.get("gpu") or f"{m.get('cpu')} x{m.get('cpu_count')}{flags}"
         parts.append(f"_{where}, {m.get('device')} {m.get('dtype')}, torch {m.get('torch')} "
                      f"({m.get('torch_threads')} threads), transformers {m.get('transformers')}, "
-                     f"flashrt {str(m.get('flashrt_commit'))[:12]}, {m.get('date')}; "
+                     f"flashrt {_commit(m)}, {m.get('date')}; "
                      f"{d.get('note', C.RANDOM_NOTE)}. Command: `{d.get('command')}` "
                      f"(bench/results/{d['_file']})_")
         for t in d.get("tables", []):

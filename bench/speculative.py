@@ -79,7 +79,7 @@ def modeled(ms: dict, k: int, rate: float) -> dict:
                                     for j, p in enumerate(pj[:k]))
     a_est = base + ms["planes"][k] + sum(pj[:k]) * ms["plane_restore"]
     return {"tokens_per_round": tokens, "ms_per_round_b": b, "ms_per_round_a_est": a_est,
-            "tok_s_b": 1e3 * tokens / b, "tok_s_a_est": 1e3 * tokens / a_est}
+            "ms_draft": draft, "tok_s_b": 1e3 * tokens / b, "tok_s_a_est": 1e3 * tokens / a_est}
 
 
 def break_even(ms: dict, k: int) -> float | None:
@@ -229,10 +229,10 @@ def bench_size(size, a, tables):
     for k in a.ks:
         for name, rate in (("mtp", acc[k]), ("oracle a=1", 1.0), ("wrong a=0", 0.0)):
             e = e2e[f"{name} k={k}"]
-            m = modeled(ms, k, e["acceptance"])["tok_s_b"]
-            if name != "mtp":   # injected drafters cost ~nothing; the model's draft term is MTP's
-                m = 1e3 * modeled(ms, k, rate)["tokens_per_round"] / (
-                    modeled(ms, k, rate)["ms_per_round_b"] - ms["draft"][k])
+            mod = modeled(ms, k, e["acceptance"] if name == "mtp" else rate)
+            m = mod["tok_s_b"]
+            if name != "mtp":   # injected drafters cost ~nothing: the round without its draft term
+                m = 1e3 * mod["tokens_per_round"] / (mod["ms_per_round_b"] - mod["ms_draft"])
             te.add(name, k, f"{e['acceptance']:.3f}", f"{e['tok_s']:.1f}",
                    C.fmt_ratio(e["tok_s"] / e2e["plain"]["tok_s"]), f"{m:.1f}", e["same_as_plain"])
     te.notes += [("trained model, one held-out prompt (see the acceptance table for more)" if trained else
@@ -372,7 +372,7 @@ def main(argv=None) -> int:
             "warmup": a.warmup, "rates": list(RATES), "results": results,
             "mechanism": "(b) fixed-state capsule + restore + re-prefill on partial acceptance"}
     C.write_json("speculative-trained" if a.sizes == ["trained"] else "speculative", a, info, tables,
-                 data, argv)
+                 data, argv, script="speculative")
     ok = all(r["end_to_end"][f"{n} k={k}"]["same_as_plain"] for r in results for k in a.ks
              for n in ("oracle a=1", "wrong a=0"))
     return 0 if ok else 1

@@ -31,7 +31,7 @@ def main(argv=None) -> int:
     import torch
     torch.set_grad_enabled(False)
     rt = C.load_flashrt(C.checkpoint(a.arch, a.size), a, 2048)
-    ids = C.random_ids(1100, 1000, 0)
+    ids = C.random_ids(1100, rt.net.vocab_size, 0)
     rt.prefill(ids[:544])
     at544 = rt.snapshot()
 
@@ -52,10 +52,12 @@ def main(argv=None) -> int:
     for _ in range(a.repeats):                  # alternated
         res["loading thread"].append(step(at544, 544))
         res["another thread"].append(other_thread(lambda: step(at544, 544)))
+    rt.restore(at544)                           # the thread cases left it at 560
     rt.prefill(ids[544:1000])
     at1000 = rt.snapshot()
     rt.prefill(ids[1000:1020])
     at1020 = rt.snapshot()
+    assert (at1000.position, at1020.position) == (1000, 1020), (at1000.position, at1020.position)
     res["1000+16 (no boundary)"], res["1020+16 (crosses 1024)"] = [], []
     for _ in range(a.repeats):
         res["1000+16 (no boundary)"].append(step(at1000, 1000))
