@@ -210,8 +210,7 @@ class CapsuleStore:
 
     # ---- public API ----------------------------------------------------------------------
     def put(self, cap: Capsule, key: str | None = None, pin: bool = False) -> str:
-        """Store `cap` under `key` (default: cap.id); returns the key. With a shared tier, it
-        is also queued for publishing there (off the caller's path)."""
+        """Store `cap` under `key` (default: cap.id), queued for the shared tier too; the key."""
         key = self._put(cap, key, pin)
         if self.shared is not None:
             self.shared.publish(cap, self, pin)
@@ -256,6 +255,11 @@ class CapsuleStore:
                                    "restore_into(), not get()")
             return self._get(rec)
 
+    def pin(self, key: str, pinned: bool = True) -> None:
+        """Keep `key` in its tier (pinned=False: evictable again, least recently used first)."""
+        with self._lock:
+            self._cat.rec(key).pinned = pinned
+
     def drop(self, key: str) -> None:
         """Remove `key` (and its file). Refused while a stored delta capsule needs it."""
         with self._lock:
@@ -285,9 +289,7 @@ class CapsuleStore:
     def match(self, tokens, fingerprint: dict | None = None):
         """(capsule, n): the longest stored capsule whose token history is tokens[:n], or
         (None, 0). fingerprint (a runtime's): only capsules made by that model and layout."""
-        if isinstance(tokens, torch.Tensor):
-            tokens = tokens.reshape(-1).tolist()
-        tokens = [int(t) for t in tokens]
+        tokens = _token_list(tokens)
         cap, n = self._match(tokens, fingerprint)
         if self.shared is not None:       # a longer prefix elsewhere in the fleet, fetched here
             cap, n = self.shared.extend_match(self, tokens, fingerprint, cap, n)
@@ -335,9 +337,7 @@ class CapsuleStore:
         return len(self._recs)
 
     def __repr__(self) -> str:
-        f = self.footprint()
-        return "CapsuleStore(" + ", ".join(f"{t}={f[t]}/{b}" for t, b in
-                                           zip(TIERS, self._tiers.budget)) + ")"
+        return f"CapsuleStore(used {self.footprint()} of {self.budgets()})"
 
     # ---- internals: records ---------------------------------------------------------------
     def _parent_for_put(self, cap) -> _Rec:
@@ -440,6 +440,12 @@ class CapsuleStore:
                     rec.tier = None       # its file is gone already
                 self._drop(rec)
             self._cat.tombstone(key)
+
+
+def _token_list(tokens) -> list:
+    if isinstance(tokens, torch.Tensor):
+        tokens = tokens.reshape(-1).tolist()
+    return [int(t) for t in tokens]
 
 
 def _check_budgets(**budgets) -> None:

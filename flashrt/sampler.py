@@ -105,7 +105,9 @@ def draw(logits: torch.Tensor, rng: torch.Tensor, temperature: torch.Tensor,
     """
     hot = temperature > 0                                            # (1,) bool
     zero = torch.zeros((), device=logits.device)
-    scaled = logits.float() / torch.where(hot, temperature, torch.ones_like(temperature))
+    # a temperature below 1e-6 divides like 1e-6 (one-hot anyway): 1e-44 made the logits inf
+    # and the softmax NaN
+    scaled = logits.float() / torch.where(hot, temperature.clamp(min=1e-6), torch.ones_like(temperature))
     probs, order = torch.sort(torch.softmax(scaled, dim=-1), descending=True, stable=True)
     if top_k is not None:
         rank = torch.arange(probs.shape[0], device=probs.device)

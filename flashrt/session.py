@@ -325,12 +325,10 @@ class Session:
         self.copier.check_fits(cap, self.fingerprint, self.capacity)
 
     def park(self, into: Capsule | None = None) -> Parked:
-        """Take this history out of the arena (one copy of its state, into `into` when given:
-        see empty_capsule) so that another may use it; unpark() puts it back byte for byte,
-        with its checkpoints and delta anchors, and leaves the parked buffer free for reuse."""
+        """Take this history out of the arena (one copy of its state, into `into` if given) so
+        another may use it; unpark() puts it back byte for byte, checkpoints included."""
         with self._lock:
-            parked = Parked(self.copier.snapshot(self._position, self._meta(), into=into),
-                            self._sources)
+            parked = Parked(self.copier.snapshot(self._position, self._meta(), into=into), self._sources)
             self._sources = Sources(self.options.max_checkpoints)
             return parked
 

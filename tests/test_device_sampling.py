@@ -165,3 +165,13 @@ def test_host_readback_ring():
     rb.clear()
     rb.push(torch.tensor([7]))
     assert rb.pop() == 7
+
+
+def test_tiny_temperature_samples_the_argmax():
+    """logits / 1e-44 overflowed to inf and the softmax to NaN (a server saw token 511 every
+    step); a temperature that small is one-hot: the argmax."""
+    from flashrt.sampler import sample
+    logits = torch.randn(512, generator=torch.Generator().manual_seed(0)) * 5
+    for t in (1e-44, 1e-30, 1e-7):
+        rng = torch.tensor([3, 0], dtype=torch.int64)
+        assert int(sample(logits, rng, temperature=t)) == int(logits.argmax()), t

@@ -190,6 +190,11 @@ def test_lru_order_and_pins(tmp_path):
         st.put(caps["a"], "../x")
     assert "huge" not in st
     _check_store(st, {"h": "device"})
+    st.pin("h", False)                            # evictable again: it ages out like the rest
+    for i in range(6, 12):
+        st.put(synth(f"x{i}", tokens=[7] * 10, rows=100, fixed=64), f"x{i}")
+    assert "h" not in st
+    _check_store(st)
 
 
 @pytest.mark.parametrize("with_disk", [True, False])

@@ -6,8 +6,11 @@ POST /v1/{chat/completions,completions}/{id}/cancel (barge-in). Sessions: see se
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import secrets
+import sys
+import time
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -47,17 +50,10 @@ class Guard:
             msg = await receive()
             if msg["type"] == "http.request":
                 seen += len(msg.get("body", b""))
-                if seen > self.max_body:
-                    raise _TooBig(seen)
+                if seen > self.max_body:     # raised inside the route's body read: the app's
+                    raise _too_big(seen, self.max_body)   # APIError handler answers (JSON 413)
             return msg
-        try:
-            await self.app(scope, limited, send)
-        except _TooBig as e:
-            await _send_error(_too_big(e.args[0], self.max_body), scope, receive, send)
-
-
-class _TooBig(Exception):
-    pass
+        await self.app(scope, limited, send)
 
 
 def _too_big(n, limit):
@@ -73,9 +69,18 @@ def _error_response(err: P.APIError) -> JSONResponse:
     return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
 
 
-def create_app(engine, template, model_name: str, api_key: str | None = None, max_body: int = MAX_BODY) -> FastAPI:
-    app = FastAPI(title="flashrt serve", docs_url=None, redoc_url=None, openapi_url=None)
-    sessions = SessionTable()
+def create_app(engine, template, model_name: str, api_key: str | None = None, max_body: int = MAX_BODY,
+               session_idle_s: float = 3600.0) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        yield
+        # inside uvicorn's graceful shutdown: on SIGTERM uvicorn re-raises the signal after
+        # it, and the process dies before the caller's own cleanup would run
+        await asyncio.to_thread(engine.close)
+        print("flashrt serve: stopped; turn capsules flushed", file=sys.stderr, flush=True)
+    app = FastAPI(title="flashrt serve", docs_url=None, redoc_url=None, openapi_url=None,
+                  lifespan=lifespan)
+    sessions = SessionTable(idle_s=session_idle_s)
     app.state.model_name = model_name
     rt_max = engine.rt.max_seq_len
 
@@ -103,7 +108,8 @@ def create_app(engine, template, model_name: str, api_key: str | None = None, ma
                              f"max_seq_len is {rt_max}", param="prompt", code="context_length_exceeded")
         limit = req.limit()
         if limit is not None and limit > rt_max:
-            raise P.APIError(400, f"max_tokens {limit} exceeds max_seq_len {rt_max}", param="max_tokens")
+            raise P.APIError(400, f"{req.limit_field()} {limit} exceeds max_seq_len {rt_max}",
+                             param=req.limit_field())
         if isinstance(req.pin_prefix, int) and not 0 <= req.pin_prefix <= len(ids):
             raise P.APIError(400, f"pin_prefix {req.pin_prefix} is outside the prompt [0, {len(ids)}]",
                              param="pin_prefix")
@@ -131,10 +137,19 @@ def create_app(engine, template, model_name: str, api_key: str | None = None, ma
             return StreamingResponse(_sse(engine, job, q, kind, model_name, req), media_type="text/event-stream")
         return await _collect(request, engine, job, q, kind, model_name)
 
+    card = {"id": model_name, "object": "model", "created": 0, "owned_by": "flashrt",
+            "max_seq_len": rt_max}
+
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0,
-                                            "owned_by": "flashrt", "max_seq_len": rt_max}]}
+        return {"object": "list", "data": [card]}
+
+    @app.get("/v1/models/{name}")
+    async def model(name: str):
+        if name != model_name:
+            raise P.APIError(404, f"unknown model {name!r}: this server serves {model_name!r}",
+                             param="model", code="model_not_found")
+        return card
 
     @app.get("/health")
     async def health():
@@ -205,14 +220,19 @@ async def _events(job, q):
 
 async def _collect(request, engine, job, q, kind, model_name):
     texts, finish, ids = [""] * job.n, [None] * job.n, [[] for _ in range(job.n)]
-    created, gone = P.now(), False
+    created, gone, checked = P.now(), False, time.monotonic()
     while True:
         try:
             ev = await asyncio.wait_for(q.get(), timeout=0.25)
         except asyncio.TimeoutError:
-            if not gone and job.phase != "done" and await request.is_disconnected():
+            ev = None
+        # every 0.25 s whether or not tokens flow: a client gone mid-answer frees its session
+        if not gone and time.monotonic() - checked >= 0.25 and job.phase != "done":
+            checked = time.monotonic()
+            if await request.is_disconnected():
                 gone = True
                 engine.cancel(job.id, "tokens", [0] * job.n)    # nothing was delivered
+        if ev is None:
             continue
         if ev[0] == "delta":
             texts[ev[1]] += ev[2]
@@ -234,6 +254,8 @@ async def _sse(engine, job, q, kind, model_name, req):
     try:
         async for ev in _events(job, q):
             if ev[0] == "delta":
+                if job.cancel is not None:             # cut: these tokens are being rolled back
+                    continue
                 _, i, text, tidx, new = ev
                 c = P.chunk(kind, job.id, model_name, created, i, text, None, tidx, new, first[i])
                 first[i], sent[i] = False, sent[i] + len(new)
@@ -241,9 +263,11 @@ async def _sse(engine, job, q, kind, model_name, req):
                 job.delivered[i] = sent[i]             # reached here: the chunk was handed to the socket
             elif ev[0] == "finish":
                 _, i, reason, tidx, ids = ev
-                c = P.chunk(kind, job.id, model_name, created, i, None, reason, tidx, [], first[i])
-                first[i] = False
+                rest = ids[sent[i]:]                   # an EOS id: its token has no text
+                c = P.chunk(kind, job.id, model_name, created, i, None, reason, tidx, rest, first[i])
+                first[i], sent[i] = False, sent[i] + len(rest)
                 yield f"data: {json.dumps(c)}\n\n"
+                job.delivered[i] = sent[i]
             elif ev[0] == "error":
                 done = True
                 yield f"data: {json.dumps(ev[1].body())}\n\n"

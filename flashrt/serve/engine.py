@@ -57,12 +57,14 @@ class Job:
     cancel: tuple | None = None   # (kind, values or None)
     delivered: list = field(default_factory=list)   # per choice, tokens the client received
     kept: list | None = None                        # per choice, after a cancel
+    outcome: list | None = None                     # the history the turn left (choice 0)
     finished: threading.Event = field(default_factory=threading.Event)
 
 
 class Engine:
     def __init__(self, load, budget_bytes: int, disk_dir=None, max_sessions: int = 4,
-                 max_queue: int | None = None, threads: int | None = None, shared=None):
+                 max_queue: int | None = None, threads: int | None = None, shared=None,
+                 disk_bytes: int | None = None):
         """load: () -> LanguageModel with max_sessions pooled sessions. The worker thread calls
         it and then does all the model's work: with torch's OpenMP, a second thread's team
         (the main thread's, from loading) makes libgomp throttle both teams' spin-waits."""
@@ -74,27 +76,29 @@ class Engine:
         self._jobs: OrderedDict = OrderedDict()       # id -> Job, active and recent
         self._calls: deque = deque()                  # (fn(rt), Future) run on a free session
         self._cv = threading.Condition()
-        self._stop = False
+        self._stop = self._closed = False
         self.error: str | None = None
         self._ready = threading.Event()
         self._load_error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, args=(load, budget_bytes, disk_dir, max_sessions,
-                                                                shared), name="flashrt-engine", daemon=True)
+                                                                shared, disk_bytes),
+                                        name="flashrt-engine", daemon=True)
         self._thread.start()
         self._ready.wait()
         if self._load_error is not None:
             self._thread.join()
             raise self._load_error
 
-    def _setup(self, load, budget_bytes, disk_dir, max_sessions, shared) -> None:
+    def _setup(self, load, budget_bytes, disk_dir, max_sessions, shared, disk_bytes) -> None:
         if self.threads:             # torch's OpenMP thread count is per calling thread
             import torch
             torch.set_num_threads(self.threads)
         rt = self.rt = load()
         self.tokenizer = rt.tokenizer
         self.vocab = rt.model.net.vocab_size
-        self.tiers = Tiers(budget_bytes, disk_dir, shared)
-        self.turns = Turns(self.tiers, rt.model.eos_ids, rt.fingerprint, self.reuse)
+        self.tiers = Tiers(budget_bytes, disk_dir, shared, disk_bytes)
+        # pinned prefixes hold at most half the budget: the other half stays for turns
+        self.turns = Turns(self.tiers, rt.model.eos_ids, rt.fingerprint, self.reuse, budget_bytes // 2)
         # arenas of their own (captured once, here): n-way requests step them token by token
         self.slots = [rt] + [rt.fork(share=False) for _ in range(max_sessions - 1)]
         self.free = list(self.slots)
@@ -107,7 +111,9 @@ class Engine:
             if self._stop or self.error:
                 raise APIError(503, f"engine unavailable: {self.error or 'shutting down'}",
                                type="server_error", headers={"Retry-After": "5"})
-            if len(self._waiting) >= self.max_queue:
+            # refused only if it must wait (no free session left for it) and the queue is full
+            promised = sum(j.n for j in self._waiting)
+            if len(self.free) - promised < job.n and len(self._waiting) >= self.max_queue:
                 raise APIError(429, f"queue full ({self.max_queue} waiting requests): retry later",
                                type="rate_limit_error", code="queue_full", headers={"Retry-After": "1"})
             job.delivered = [0] * job.n
@@ -136,6 +142,8 @@ class Engine:
                     job.session.end_turn(None)
                 job.post(("done", None))
                 return {"id": rid, "cancelled": True, "kept_tokens": [0] * job.n}
+            if job.kept is not None and values is None:   # cut already; a bare disconnect
+                return {"id": rid, "cancelled": True, "kept_tokens": list(job.kept)}   # adds nothing
             job.cancel = (kind, values)
             if job.phase == "running":              # the worker applies it before the job ends
                 return {"id": rid, "cancelled": True, "kept_tokens": None}
@@ -157,8 +165,11 @@ class Engine:
         return fut
 
     def close(self) -> None:
+        """Stop the worker and flush the capsule tiers (disk writer, fleet tier); idempotent."""
         with self._cv:
-            self._stop = True
+            if self._closed:
+                return
+            self._closed = self._stop = True
             self._cv.notify()
         self._thread.join(timeout=30)
         self.tiers.close()
@@ -183,29 +194,50 @@ class Engine:
                         self._cv.wait()
                     if self._stop:
                         return
-                    calls = []
+                    calls = []         # each call takes its session now: admission cannot
                     while self._calls and self.free:
-                        calls.append(self._calls.popleft())
+                        calls.append((*self._calls.popleft(), self.free.pop()))
                     admitted = self._admit()
-                for fn, fut in calls:
-                    self._run_call(fn, fut)
+                for fn, fut, rt in calls:
+                    self._run_call(fn, fut, rt)
                 for job in admitted:
                     self._guard(job, self.turns.prefill)
                 for job in list(self._active):
                     if job.phase == "running":
                         self._guard(job, self._step)
-        except BaseException:                           # noqa: BLE001 (report, then 503)
-            self.error = "engine worker died: " + traceback.format_exc(limit=3)
+        except BaseException as e:                      # noqa: BLE001 (report, fail, then 503)
+            traceback.print_exc()                       # the server log; clients get the type
+            self.error = f"engine worker died: {type(e).__name__}: {e}"
+            self._fail_all()
             raise
 
-    def _run_call(self, fn, fut) -> None:
-        rt = self.free.pop()
+    def _fail_all(self) -> None:
+        """The worker is gone: every queued, running and requested piece of work fails now
+        (a 503), rather than waiting for a worker that will not come."""
+        err = APIError(503, f"engine unavailable: {self.error}", type="server_error",
+                       headers={"Retry-After": "5"})
+        with self._cv:
+            jobs, calls = list(self._waiting) + list(self._active), list(self._calls)
+            self._waiting.clear()
+            self._active.clear()
+            self._calls.clear()
+        for job in jobs:
+            job.phase = "done"
+            job.post(("error", err))
+            if job.session is not None:
+                job.session.end_turn(None)
+            job.finished.set()
+        for _, fut in calls:
+            fut.set_exception(err)
+
+    def _run_call(self, fn, fut, rt) -> None:
         try:
             fut.set_result(fn(rt))
         except BaseException as e:                      # noqa: BLE001 (handed to the caller)
             fut.set_exception(e)
         finally:
-            self.free.append(rt)
+            with self._cv:
+                self.free.append(rt)
 
     def _admit(self) -> list:
         out = []

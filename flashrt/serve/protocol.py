@@ -10,7 +10,7 @@ import secrets
 import time
 from typing import Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 # fields the OpenAI API defines that this server does not implement: refused by name unless
 # they carry their no-op default (clients often send e.g. presence_penalty=0)
@@ -41,13 +41,13 @@ class APIError(Exception):
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     include_usage: bool = False
 
 
 class _Common(BaseModel):
     """Sampling fields shared by chat, completions and session turns."""
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
     model: str = ""
     max_tokens: int | None = None
     temperature: float = Field(1.0, ge=0.0, le=2.0)
@@ -77,15 +77,24 @@ class _Common(BaseModel):
             raise ValueError(f"up to {MAX_STOP} non-empty strings, got {stops!r}")
         return stops
 
+    @model_validator(mode="after")
+    def _stream_options(self):
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed with stream: true")
+        return self
+
     def stops(self) -> list[str]:
         return list(self.stop or [])
 
     def limit(self) -> int | None:
         return self.max_tokens
 
+    def limit_field(self) -> str:
+        return "max_tokens"
+
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[str, list[dict], None] = None
 
@@ -108,6 +117,9 @@ class ChatRequest(_Common):
             raise APIError(400, f"max_completion_tokens must be >= 1, got {v}", param="max_completion_tokens")
         return v
 
+    def limit_field(self) -> str:
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+
 
 class CompletionRequest(_Common):
     prompt: Union[str, list[int], list[str], list[list[int]]]
@@ -125,29 +137,33 @@ class CompletionRequest(_Common):
 
 
 class SessionCreate(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     model: str = ""
     prompt: Union[str, list[int], None] = None
 
 
 class RollbackRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     position: int = Field(ge=0)
 
 
 class RestoreRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     snapshot_id: str
 
 
 class NameRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     name: str = Field(pattern=r"^[A-Za-z0-9_-][A-Za-z0-9._-]{0,99}$")
+
+
+class SaveRequest(NameRequest):
+    overwrite: bool = False
 
 
 class CancelRequest(BaseModel):
     """What the client actually delivered (spoke): tokens, or characters of the streamed text."""
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     delivered_tokens: int | list[int] | None = None
     delivered_chars: int | list[int] | None = None
 
@@ -169,7 +185,7 @@ def parse(model_cls, body: bytes):
     """Bytes -> validated request, or an APIError naming what is wrong."""
     try:
         data = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except ValueError as e:     # JSONDecodeError, UnicodeDecodeError, an int past Python's digit limit
         raise APIError(400, f"invalid JSON body: {e}", code="invalid_json") from None
     if not isinstance(data, dict):
         raise APIError(400, f"the body must be a JSON object, got {type(data).__name__}")
@@ -177,10 +193,10 @@ def parse(model_cls, body: bytes):
         req = model_cls.model_validate(data)
     except ValidationError as e:
         first = e.errors()[0]
-        loc = ".".join(str(x) for x in first["loc"])
+        loc = ".".join(str(x) for x in first["loc"])     # e.g. prompt.list[int].0 (a union branch)
         raise APIError(400, f"invalid {loc or 'body'}: {first['msg']}"
                        + (f" (got {first['input']!r})" if "input" in first and loc else ""),
-                       param=loc or None) from None
+                       param=str(first["loc"][0]) if first["loc"] else None) from None
     extra = set(getattr(req, "model_extra", None) or {})
     bad = sorted(k for k in extra if k not in IGNORED
                  and not (k in UNSUPPORTED and data[k] in UNSUPPORTED[k]))

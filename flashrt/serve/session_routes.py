@@ -9,7 +9,8 @@
     POST   /v1/sessions/{id}/restore          {"snapshot_id"}
     POST   /v1/sessions/{id}/fork             -> a new session with the same history
     POST   /v1/sessions/{id}/rollback         {"position"}
-    POST   /v1/sessions/{id}/save             {"name"}  (needs --capsule-dir)
+    POST   /v1/sessions/{id}/save             {"name", "overwrite"?}  (needs --capsule-dir; names
+                                              are shared by every client of the server)
     POST   /v1/sessions/load                  {"name"}  -> a new session from the saved capsule
 A turn is cancelled like any response: POST /v1/completions/{response_id}/cancel.
 """
@@ -54,9 +55,8 @@ def add_session_routes(app, engine, sessions, run) -> None:
         ids = ids_of(req.prompt)
         if len(ids) >= engine.rt.max_seq_len:
             raise P.APIError(400, f"prompt of {len(ids)} tokens exceeds max_seq_len", param="prompt")
-        s = sessions.create(ids)
-        await on_worker(remember(ids))
-        return s.info()
+        await on_worker(remember(ids))           # first: a failed prefill leaves no session
+        return sessions.create(ids).info()
 
     @app.get("/v1/sessions/{sid}")
     async def get(sid: str):
@@ -113,7 +113,7 @@ def add_session_routes(app, engine, sessions, run) -> None:
     @app.post("/v1/sessions/{sid}/save")
     async def save(sid: str, request: Request):
         s = sessions.get(sid)
-        req = P.parse(P.NameRequest, await request.body())
+        req = P.parse(P.SaveRequest, await request.body())
         need_disk()
         toks = s.info()["tokens"]
         if not toks:
@@ -121,8 +121,14 @@ def add_session_routes(app, engine, sessions, run) -> None:
 
         def fn(rt):
             rt.set_context(toks, store=mem)
-            return engine.tiers.save_named(rt, req.name)
-        return {"id": sid, "name": req.name, "position": await on_worker(fn)}
+            return engine.tiers.save_named(rt, req.name, req.overwrite)
+        try:
+            position = await on_worker(fn)
+        except FileExistsError:
+            raise P.APIError(409, f"a session is already saved as {req.name!r}: pass "
+                             "\"overwrite\": true to replace it", param="name",
+                             code="name_taken") from None
+        return {"id": sid, "name": req.name, "position": position}
 
     @app.post("/v1/sessions/load")
     async def load(request: Request):

@@ -5,12 +5,15 @@ stored (see tiers.py), so the next turn, a restore or a fork starts from the cap
 history (set_context: restore the longest stored prefix, roll back past a divergence, prefill
 the rest), and a rollback to a position is exact, recurrent state included. Ids are
 unguessable (secrets.token_urlsafe) and a session is reachable only through its id (and the
-API key when one is set). One turn at a time per session: a second is a 409.
+API key when one is set). One turn at a time per session: a second is a 409. Idle sessions
+expire (SessionTable).
 """
 from __future__ import annotations
 
 import secrets
 import threading
+import time
+from collections import OrderedDict
 
 from .protocol import APIError
 
@@ -39,6 +42,15 @@ class Session:
             if tokens is not None:
                 self.tokens = list(tokens)
             self.busy = False
+
+    def replace_if(self, expected, tokens) -> bool:
+        """Rewrite the history to tokens if the session is idle and its history is exactly
+        `expected` (a late barge-in cancel of its last turn); False otherwise."""
+        with self._lock:
+            if self.busy or expected is None or self.tokens != list(expected):
+                return False
+            self.tokens = list(tokens)
+            return True
 
     def _idle(self):
         if self.busy:
@@ -76,29 +88,56 @@ class Session:
 
 
 class SessionTable:
-    def __init__(self, limit: int = MAX_SESSIONS):
-        self._s: dict[str, Session] = {}
-        self._limit = limit
+    """Sessions by id, least recently used first. One idle for idle_s seconds expires; when
+    the table is full, a new one takes the place of the least recently used idle one."""
+
+    def __init__(self, limit: int = MAX_SESSIONS, idle_s: float = 3600.0, clock=time.monotonic):
+        self._s: OrderedDict[str, Session] = OrderedDict()
+        self._used: dict[str, float] = {}
+        self._limit, self.idle_s, self._clock = limit, idle_s, clock
         self._lock = threading.Lock()
+
+    def _make_room(self) -> None:
+        now = self._clock()
+        for sid in [k for k in self._s if now - self._used[k] >= self.idle_s]:
+            if not self._s[sid].busy:
+                self._drop(sid)
+        if len(self._s) >= self._limit:
+            idle = next((k for k, v in self._s.items() if not v.busy), None)
+            if idle is None:
+                raise APIError(429, f"too many sessions ({self._limit}), every one with a turn "
+                               "in progress: retry later", type="rate_limit_error",
+                               headers={"Retry-After": "1"})
+            self._drop(idle)
+
+    def _drop(self, sid: str) -> None:
+        del self._s[sid], self._used[sid]
 
     def create(self, tokens=()) -> Session:
         with self._lock:
-            if len(self._s) >= self._limit:
-                raise APIError(429, f"too many sessions ({self._limit}): delete some first",
-                               type="rate_limit_error", headers={"Retry-After": "1"})
+            self._make_room()
             s = Session(tokens)
-            self._s[s.id] = s
+            self._s[s.id], self._used[s.id] = s, self._clock()
             return s
 
     def get(self, sid: str) -> Session:
         with self._lock:
             s = self._s.get(sid)
+            if s is not None and self._clock() - self._used[sid] >= self.idle_s and not s.busy:
+                self._drop(sid)                  # expired
+                s = None
+            if s is not None:
+                self._s.move_to_end(sid)
+                self._used[sid] = self._clock()
         if s is None:
-            raise APIError(404, f"unknown session id {sid!r}", param="session_id", code="session_not_found")
+            raise APIError(404, f"unknown session id {sid!r} (never made, deleted, or idle "
+                           f"longer than {self.idle_s:g} s)", param="session_id",
+                           code="session_not_found")
         return s
 
     def delete(self, sid: str) -> None:
         s = self.get(sid)
         with self._lock:
             s._idle()
-            self._s.pop(sid, None)
+            if sid in self._s:
+                self._drop(sid)

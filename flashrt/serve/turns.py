@@ -6,13 +6,45 @@ a cancel keeps prompt + delivered tokens and rolls the rest back, recurrent stat
 """
 from __future__ import annotations
 
+import warnings
+from collections import OrderedDict
+
 import torch
+
+from .protocol import APIError
 
 
 class Turns:
-    def __init__(self, tiers, eos, fingerprint, reuse: bool):
+    def __init__(self, tiers, eos, fingerprint, reuse: bool, pin_bytes: int = 0):
+        """pin_bytes: what pinned prefixes may hold together; past it the least recently used
+        pin is released (it stays stored, evictable), so pins cannot shut reuse off for all."""
         self.tiers, self.eos, self.fingerprint, self.reuse = tiers, set(eos), fingerprint, reuse
-        self._pinned: set = set()
+        self.pin_bytes = pin_bytes
+        self._pins: OrderedDict = OrderedDict()     # prefix tokens -> (store key, bytes), LRU
+
+    def _pin(self, job, rt, mem) -> int:
+        """The capsule of the prompt's first job.pin tokens, pinned; returns positions run."""
+        prefix = tuple(job.prompt[: job.pin])
+        if prefix in self._pins and self._pins[prefix][0] in mem:
+            self._pins.move_to_end(prefix)
+            return 0
+        rt.set_context(list(prefix), store=mem, remember=False)
+        run = job.pin - rt.context_reused
+        cap = rt.snapshot()
+        size = cap.data.numel()
+        while self._pins and sum(b for _, b in self._pins.values()) + size > self.pin_bytes:
+            key, _ = self._pins.popitem(last=False)[1]
+            if key in mem:
+                mem.pin(key, False)
+        if size > self.pin_bytes:
+            warnings.warn(f"flashrt serve: a {job.pin}-token prefix ({size} B) exceeds the pinned "
+                          f"capsule budget ({self.pin_bytes} B): not pinned")
+            return run
+        try:
+            self._pins[prefix] = (mem.put(cap, pin=True), size)
+        except ValueError as e:
+            warnings.warn(f"flashrt serve: prefix not pinned: {e}")
+        return run
 
     def prefill(self, job) -> None:
         rt, mem = job.choices[0].rt, self.tiers.mem
@@ -20,16 +52,8 @@ class Turns:
         if not self.reuse:
             rt.reset()
             mem = None
-        if job.pin and job.pin < len(job.prompt) and mem is not None:
-            key = hash(tuple(job.prompt[: job.pin]))
-            if key not in self._pinned:
-                rt.set_context(job.prompt[: job.pin], store=mem, remember=False)
-                computed += job.pin - rt.context_reused
-                try:
-                    mem.put(rt.snapshot(), pin=True)
-                    self._pinned.add(key)
-                except ValueError as e:
-                    job.post(("warning", f"prefix not pinned: {e}"))
+        if job.pin and mem is not None:
+            computed += self._pin(job, rt, mem)
         logits = rt.set_context(job.prompt, store=mem)
         computed += len(job.prompt) - rt.context_reused
         for c in job.choices:
@@ -103,8 +127,9 @@ class Turns:
             if c.pending and c.rt.position < len(job.prompt) + len(c.ids):
                 c.rt.decode(c.ids[-1])
             c.pending = False
+        job.outcome = list(job.choices[0].rt.tokens)
         if job.session is not None:
-            job.session.end_turn(job.choices[0].rt.tokens)
+            job.session.end_turn(job.outcome)
         return sum(len(c.ids) for c in job.choices)
 
     def _keep(self, job, c) -> int:
@@ -128,15 +153,25 @@ class Turns:
                 job.post(("finish", c.index, "cancelled", k - 1, list(c.ids)))
 
     def truncate(self, job, rt) -> list:
-        """A cancel that came after the response finished: rewrite its conversation(s)."""
-        kept = []
-        for c in job.choices:
-            k = self._keep(job, c)
-            toks = job.prompt + c.ids[:k]
+        """A cancel that came after the response finished (or after an earlier cut: what was
+        kept only shrinks, e.g. a disconnect, then what the client says it spoke): rewrite its
+        conversation(s). A session is rewritten only while idle and still at this turn's
+        outcome (409 if it has moved on)."""
+        kept = [self._keep(job, c) for c in job.choices]
+        if job.kept is not None:
+            kept = [min(a, b) for a, b in zip(kept, job.kept)]
+            if kept == job.kept:
+                return list(kept)
+        if job.session is not None:
+            toks = job.prompt + job.choices[0].ids[: kept[0]]
+            if not job.session.replace_if(job.outcome, toks):
+                raise APIError(409, f"session {job.session.id} has moved on since response "
+                               f"{job.id} (a later turn, restore or rollback): not rewritten",
+                               code="session_moved_on")
+            job.outcome = toks
+        for c, k in zip(job.choices, kept):
             if self.reuse:
-                rt.set_context(toks, store=self.tiers.mem)
+                rt.set_context(job.prompt + c.ids[:k], store=self.tiers.mem)
                 self.tiers.remember_turn(rt)
-            if job.session is not None and c.index == 0:
-                job.session.end_turn(toks)
-            kept.append(k)
+        job.kept = kept
         return kept
