@@ -81,7 +81,9 @@ def main(argv=None) -> int:
     if "widened" in fns:
         t.notes.append("oneDNN widened: float32 inner product on the bf16 weight widened per call "
                        "(the runtime's path for longer steps where oneDNN has no bf16)")
-    t.notes.append(f"small-M vs a float64 reference: max relative error {max(diffs.values()):.1e}")
+    t.notes.append(f"small-M column vs a float64 reference: max error {max(diffs.values()):.1e}, "
+                   "relative to each output's largest |value|" + ("" if bf16 else
+                   " (at one row that column is oneDNN's, as the runtime runs it)"))
     t.notes.append(f"weights: {C.short_path(path)} (random)")
     print()
     print(t.text())

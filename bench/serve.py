@@ -22,7 +22,9 @@ re-tokenize to the same ids (a random model otherwise emits ids with no text, an
 could reuse its own reply). The shape and the work per token are the original's.
 
 TTFT over HTTP = request sent -> first SSE chunk (one chunk per token), on one keep-alive
-client; each server and the in-process run first do one untimed dialogue of the same shape.
+client; the flashrt and llama-cpp servers and the in-process run first do one untimed dialogue
+of the same shape (the re-prefill server gets only the short warm-up turn of dialogue(): it
+stores nothing a warm-up could prepare, and its turns are whole prefills anyway).
 
     python bench/serve.py --system-tokens 512 --turns 8 --barge-turn 4
     python bench/serve.py --llama-python /path/llama-venv/bin/python --llama-src llama_cpp_python-0.3.36

@@ -2,7 +2,8 @@
 
 Builds each model on the meta device (no weights, no memory) and sums the arena layout it
 declares: fixed-size capsule state (recurrent, conv, MTP hidden, RNG, metadata) and
-per-token state (KV rows, MTP KV rows, token history). Writes bench/results/state_sizes.json.
+per-token state (KV rows, MTP KV rows, token history). Writes
+bench/results/state_sizes-<dtype>.json (bf16 by default).
 """
 from __future__ import annotations
 

@@ -168,6 +168,8 @@ def main(argv=None) -> int:
                  f"({100 * tot_pref / tot_ctx:.1f}%); total TTFT store "
                  f"{sum(r['ttft_store_ms'] for r in rows):.0f} ms vs cold "
                  f"{sum(r['ttft_cold_ms'] for r in rows):.0f} ms",
+                 "each turn of the trace happens once: its TTFTs are single samples (the trace's "
+                 "totals are the figure to compare, not one turn's ratio)",
                  "reused: tokens taken from a stored capsule or the session's own history; "
                  "same argmax: first token equals the cold prefill's (paths differ in chunking, "
                  "so logits agree to tolerance, not bitwise)"]
