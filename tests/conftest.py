@@ -84,6 +84,28 @@ def margin_check(ref_logits: torch.Tensor, tokens, margin=1e-3):
     return bad, float(gaps.min())
 
 
+def teacher_forced(rt, last_logits, tokens) -> torch.Tensor:
+    """rt's logits along `tokens` from its current state, (len(tokens), V): row 0 is
+    last_logits (what its history ends with), row i what rt.decode(tokens[i-1]) gives, so row
+    i is what a greedy run on rt would have chosen tokens[i] from."""
+    rows = [last_logits.detach().reshape(1, -1).float().clone()]
+    rows += [rt.decode(t).reshape(1, -1).float() for t in tokens[:-1]]
+    return torch.cat(rows)
+
+
+def assert_greedy_matches(ref_logits, tokens, margin=1e-3, what=""):
+    """Cross-path greedy identity: `tokens` (one path's greedy continuation) are the argmax of
+    ref_logits (the other path's logits, teacher-forced along `tokens`) wherever its top-2 gap
+    exceeds margin; at least half the positions must be that decisive, so the check cannot go
+    vacuous."""
+    assert len(tokens) == ref_logits.shape[0] > 0, (what, len(tokens), ref_logits.shape)
+    bad, _ = margin_check(ref_logits, tokens, margin)
+    assert not bad, f"{what}: greedy tokens differ where the reference is decisive: {bad}"
+    top2 = ref_logits.topk(2, dim=-1).values
+    decisive = int((top2[:, 0] - top2[:, 1] > margin).sum())
+    assert 2 * decisive >= len(tokens), f"{what}: only {decisive}/{len(tokens)} positions decisive"
+
+
 def state_bytes(rt) -> torch.Tensor:
     """The committed state as bytes: fixed range + live rows of every per-token buffer."""
     a = rt.arena

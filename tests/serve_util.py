@@ -2,12 +2,14 @@
 the in-process greedy reference (random weights: only token identity and timing matter)."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -22,34 +24,82 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_until_up(url, proc, timeout: float, what: str, headers=None) -> None:
-    """Poll GET url/v1/models until it answers 200; raise if proc exits or time runs out."""
+def listens(pid: int, port: int) -> bool:
+    """Whether process pid holds the listening TCP socket on `port` (Linux /proc; True where
+    /proc cannot tell)."""
+    try:
+        inodes = set()
+        for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+            for line in Path(table).read_text().splitlines()[1:]:
+                f = line.split()
+                if f[3] == "0A" and int(f[1].rsplit(":", 1)[1], 16) == port:    # LISTEN
+                    inodes.add(f"socket:[{f[9]}]")
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return True
+    for fd in fds:
+        try:
+            if os.readlink(f"/proc/{pid}/fd/{fd}") in inodes:
+                return True
+        except OSError:
+            pass
+    return False
+
+
+def wait_until_up(url, proc, timeout: float, what: str, headers=None, port=None, log=None) -> bool:
+    """Poll GET url/v1/models until proc itself answers 200 (the port was free when chosen,
+    so another server may hold it by now: it must be proc's listening socket). False when proc
+    exited because the port was taken (its log says so); raise if it exits otherwise or time
+    runs out."""
     deadline = time.time() + timeout
     while True:
         try:
-            if httpx.get(url + "/v1/models", headers=headers or {}, timeout=2).status_code == 200:
-                return
+            if (httpx.get(url + "/v1/models", headers=headers or {}, timeout=2).status_code == 200
+                    and (port is None or listens(proc.pid, port))):
+                return True
         except httpx.HTTPError:
             pass
-        if proc.poll() is not None or time.time() > deadline:
+        if proc.poll() is not None:
+            if log is not None and "address already in use" in Path(log).read_text(errors="replace"):
+                return False
             raise RuntimeError(f"{what} did not start (exit {proc.poll()})")
+        if time.time() > deadline:
+            raise RuntimeError(f"{what} did not start in {timeout} s")
         time.sleep(0.2)
 
 
 class Server:
-    """`python -m flashrt.cli serve CKPT` in a subprocess; stop() is a graceful Ctrl-C."""
+    """`python -m flashrt.cli serve CKPT` in a subprocess; stop() is a graceful Ctrl-C. A port
+    another process took before ours bound it: started again on a new one (3 tries)."""
 
     def __init__(self, ckpt, *args, api_key=None, log=None):
-        self.port, self.key = free_port(), api_key
-        self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "flashrt.cli", "serve", str(ckpt), "--port", str(self.port),
-               "--dtype", "float32", "--max-seq-len", "512", *args]
-        if api_key:
-            cmd += ["--api-key", api_key]
-        self.log = open(log or os.devnull, "w")
-        # run from tests/ (this file's folder) so the installed package is the one imported
-        self.proc = subprocess.Popen(cmd, cwd=Path(__file__).parent, stdout=self.log, stderr=self.log)
-        wait_until_up(self.url, self.proc, 120, f"flashrt serve (see {log})", self.headers())
+        self.key = api_key
+        self._own_log = log is None              # then a temporary file, removed by stop()
+        if log is None:
+            fd, log = tempfile.mkstemp(prefix="flashrt-serve-", suffix=".log")
+            os.close(fd)
+        log = Path(log)
+        self.log_path = log
+        for _ in range(3):
+            self.port = free_port()
+            self.url = f"http://127.0.0.1:{self.port}"
+            cmd = [sys.executable, "-m", "flashrt.cli", "serve", str(ckpt), "--port", str(self.port),
+                   "--dtype", "float32", "--max-seq-len", "512", *args]
+            if api_key:
+                cmd += ["--api-key", api_key]
+            self.log = open(log, "w")
+            # run from tests/ (this file's folder) so the installed package is the one imported
+            self.proc = subprocess.Popen(cmd, cwd=Path(__file__).parent, stdout=self.log, stderr=self.log)
+            try:
+                up = wait_until_up(self.url, self.proc, 120, f"flashrt serve (see {log})",
+                                   self.headers(), port=self.port, log=log)
+            except BaseException:
+                self.stop()
+                raise
+            if up:
+                return
+            self.log.close()
+        raise RuntimeError(f"flashrt serve: the port was taken 3 times (see {log})")
 
     def headers(self) -> dict:
         return {"Authorization": f"Bearer {self.key}"} if self.key else {}
@@ -80,6 +130,8 @@ class Server:
                 self.proc.kill()
                 self.proc.wait()
         self.log.close()
+        if self._own_log:
+            self.log_path.unlink(missing_ok=True)
 
 
 def sse(lines) -> list:
@@ -95,28 +147,40 @@ def sse(lines) -> list:
     return out
 
 
+@contextlib.contextmanager
+def _one_thread():
+    """One intra-op thread while the reference computes: the server process shares these 2
+    cores, and two OpenMP teams fighting for them make a tiny decode step ~10x slower. The
+    count is put back, so later tests run with the thread count they would alone."""
+    import torch
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 class Reference:
     """Cold greedy decode in-process: tokens and their top-2 logit margins."""
 
     def __init__(self, ckpt):
         import flashrt
-        import torch
-        # one intra-op thread: the server process shares these 2 cores, and two OpenMP teams
-        # fighting for them make a tiny decode step ~10x slower
-        torch.set_num_threads(1)
-        self.rt = flashrt.load(ckpt, dtype="float32", max_seq_len=512)
+        with _one_thread():
+            self.rt = flashrt.load(ckpt, dtype="float32", max_seq_len=512)
 
     def greedy(self, ids, n) -> tuple[list, list]:
-        self.rt.reset()
-        logits = self.rt.prefill(ids)
-        toks, margins = [], []
-        for _ in range(n):
-            top = logits.topk(2).values
-            tok = int(logits.argmax())
-            toks.append(tok)
-            margins.append(float(top[0] - top[1]))
-            logits = self.rt.decode(tok)
-        return toks, margins
+        with _one_thread():
+            self.rt.reset()
+            logits = self.rt.prefill(ids)
+            toks, margins = [], []
+            for _ in range(n):
+                top = logits.topk(2).values
+                tok = int(logits.argmax())
+                toks.append(tok)
+                margins.append(float(top[0] - top[1]))
+                logits = self.rt.decode(tok)
+            return toks, margins
 
     def check(self, ids, got) -> int:
         """Assert `got` equals the cold greedy continuation of ids wherever the top-2 gap exceeds

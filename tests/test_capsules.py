@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import flashrt
-from conftest import ARCHS, HYBRID, race, state_bytes
+from conftest import ARCHS, HYBRID, assert_greedy_matches, race, state_bytes, teacher_forced
 
 
 def _ids(n, seed=0, vocab=512):
@@ -135,17 +135,24 @@ def test_rollback(arch, runtime):
     logits24 = rt.decode(hist[24])     # history continues past the checkpoint
     rt.prefill(hist[25:])
     rt.generate(max_new_tokens=4)
-    rt.rollback(24)                    # 24 is a checkpoint boundary: bitwise
+    # 24 is a checkpoint boundary: restored from it, nothing re-run (a re-run of hist[:24] from
+    # 0 would split 16 + 8 as the original prefill did and give the same bits)
+    assert 24 in rt.session.checkpoint_positions() and rt.session.rollback_source(24) == 24
+    rt.rollback(24)                    # bitwise
     assert rt.position == 24 and rt.tokens == hist[:24]
     assert torch.equal(state_bytes(rt), at24)
     assert torch.equal(rt.decode(hist[24]), logits24)
     for p in (30, 19, 3):              # anywhere: within 1e-4 of a fresh prefill of p tokens
         rt.prefill(hist[rt.position: 37]) if rt.position < 37 else None
+        # from the checkpoint below p (qwen3: KV rewound by position, one position re-run)
+        assert rt.session.rollback_source(p) == (p - 1 if arch == "qwen3" else p // 8 * 8)
         rt.rollback(p)
         fresh = runtime(arch)
         want = fresh.prefill(hist[:p])
         assert (rt.arena["meta.logits"] - want).abs().max() <= 1e-4
-        assert rt.generate(max_new_tokens=8) == fresh.generate(max_new_tokens=8)
+        # another path (restore + re-run vs one prefill): the margin rule, teacher-forced
+        toks = rt.generate(max_new_tokens=8, ignore_eos=True)
+        assert_greedy_matches(teacher_forced(fresh, want, toks), toks, what=f"{arch} rollback({p})")
     with pytest.raises(ValueError, match="rollback position 99"):
         rt.rollback(99)
 
@@ -158,7 +165,10 @@ def test_rollback_after_restore_uses_capsule(runtime):
     rt.reset()
     rt.restore(cap)
     rt.prefill(h[20:])
-    rt.rollback(20)                    # no checkpoint below 1000: the restored capsule serves
+    # no checkpoint below 1000: the restored capsule serves (a re-run from 0 would prefill
+    # h[:20] in one step, as the capsule was made, and give the same bits)
+    assert rt.session.checkpoint_positions() == [] and rt.session.rollback_source(20) == 20
+    rt.rollback(20)
     arch = "qwen3_5" if "qwen3_5" in ARCHS else "qwen3"
     restored = runtime(arch)
     restored.restore(cap)
@@ -219,7 +229,8 @@ def test_rollback_sources_are_strong_and_bounded(runtime):
         gc.collect() if mode == "collect" else gc.disable()
         try:
             rt.prefill(h[16:])
-            rt.rollback(16)                # the dropped capsule is still the source
+            assert rt.session.rollback_source(16) == 16   # the dropped capsule is still the source
+            rt.rollback(16)
             results.append(state_bytes(rt))
         finally:
             gc.enable()

@@ -106,10 +106,11 @@ def test_small_m_linear_rows_do_not_depend_on_the_batch(n, k, wdtype):
 
 @needs_small_m
 def test_small_m_linear_refuses_bad_arguments():
-    x, w = torch.randn(4, 8), torch.randn(6, 8)
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(4, 8, generator=g), torch.randn(6, 8, generator=g)
     for bad, msg in [((x.double(), w), "x must be"), ((x, w.t()), "w must be"),
                      ((x.bfloat16(), w.bfloat16()), "x must be"), ((x, w.half()), "w must be"),
-                     ((x, torch.randn(6, 9)), "do not multiply"), ((x[:, :0], w[:, :0]), "do not multiply")]:
+                     ((x, torch.randn(6, 9, generator=g)), "do not multiply"), ((x[:, :0], w[:, :0]), "do not multiply")]:
         with pytest.raises(ValueError, match=msg):
             native.small_m_linear(*bad)
     with pytest.raises(ValueError, match="out must be"):
@@ -132,9 +133,10 @@ def test_many_small_segments(backend, num_threads):
 @pytest.mark.parametrize("num_threads", [1, 2, 3, None])
 def test_huge_segment_split_across_threads(backend, num_threads):
     # 5 MiB + 77 B: one segment past the 2 MiB parallel threshold, uneven split.
-    src = torch.randint(0, 256, (5 * (1 << 20) + 77,), dtype=torch.uint8)
+    g = torch.Generator().manual_seed(1)
+    src = torch.randint(0, 256, (5 * (1 << 20) + 77,), dtype=torch.uint8, generator=g)
     dst = torch.zeros_like(src)
-    small_src = torch.randint(0, 256, (333,), dtype=torch.uint8)
+    small_src = torch.randint(0, 256, (333,), dtype=torch.uint8, generator=g)
     small_dst = torch.zeros_like(small_src)
     native.copy_segments([(small_src, small_dst), (src[1:], dst[1:]), (src[:0], dst[:0])],
                          num_threads=num_threads)
@@ -156,23 +158,27 @@ def test_parallel_copies_from_many_threads():
     every caller's bytes land where they should."""
     import threading
     jobs = [random_segments(random.Random(10 + i), 4 << 20, 30, 250_000) for i in range(6)]
-    errors = []
+    errors, runs = [], [0] * len(jobs)
 
     def work(i):
-        pairs, dst, expected = jobs[i]
-        plan = native.SegmentPlan(pairs, num_threads=4)
-        for _ in range(20):
-            dst.zero_()
-            plan.run()
-            if not torch.equal(dst, expected):
-                errors.append(i)
-                return
+        try:
+            pairs, dst, expected = jobs[i]
+            plan = native.SegmentPlan(pairs, num_threads=4)
+            for _ in range(20):
+                dst.zero_()
+                plan.run()
+                if not torch.equal(dst, expected):
+                    errors.append((i, "wrong bytes"))
+                    return
+                runs[i] += 1
+        except BaseException as e:           # a raise in a thread would otherwise only warn
+            errors.append((i, repr(e)))
     threads = [threading.Thread(target=work, args=(i,)) for i in range(len(jobs))]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    assert not errors
+    assert not errors and runs == [20] * len(jobs), (errors, runs)
 
 
 @needs_ext
@@ -186,7 +192,8 @@ def test_parallel_copy_after_fork():
     native.copy_segments([(src, dst)], num_threads=2)      # the parent's pool exists now
     small_m = native.HAVE_EXT and bool(native._C.small_m_linear_isa())
     if small_m:                                            # and so does the linear's region
-        x, w = torch.randn(16, 256), torch.randn(300, 256)
+        g = torch.Generator().manual_seed(2)
+        x, w = torch.randn(16, 256, generator=g), torch.randn(300, 256, generator=g)
         want, y = native.small_m_linear(x, w), torch.zeros(16, 300)
     pid = os.fork()
     if pid == 0:                                           # child: exit code says it all
@@ -256,7 +263,7 @@ def test_cpu_copies_run_on_torch_openmp_threads():
     assert native.COPIES_ON_TORCH_THREADS == (
         theirs is not None and os.path.realpath(theirs) == os.path.realpath(path))
     assert ("torch's OpenMP threads" in native.ext_status()) == native.COPIES_ON_TORCH_THREADS
-    src = torch.randint(0, 256, (4 << 20,), dtype=torch.uint8)
+    src = torch.randint(0, 256, (4 << 20,), dtype=torch.uint8, generator=torch.Generator().manual_seed(3))
     dst = torch.zeros(3 << 20, dtype=torch.uint8)
     pairs = [(src[:1 << 20], dst[:1 << 20])] + [
         (src[(2 << 20) + i * 40_000: (2 << 20) + i * 40_000 + 30_000],
@@ -423,7 +430,7 @@ def test_xxh64_matches_reference_small(backend, seed):
 
 
 def test_xxh64_large_buffer():
-    data = os.urandom((1 << 20) + 13)
+    data = random.Random(11).randbytes((1 << 20) + 13)
     want = native.xxh64_py(data, 12345)  # ~0.1 s in pure Python
     assert native.xxh64(data, 12345) == want
     assert native.xxh64(bytearray(data), 12345) == want
@@ -439,7 +446,7 @@ def test_xxh3_reference_vector_and_fallback_at_every_length_class():
     assert native.xxh3(b"") == 0x2D06800538D394C2
     rng = random.Random(7)
     for n in list(range(0, 300)) + [1023, 1024, 1025, 1087, 2049, 4097, (1 << 18) + 63]:
-        data = bytes(rng.getrandbits(8) for _ in range(n)) if n < 5000 else os.urandom(n)
+        data = bytes(rng.getrandbits(8) for _ in range(n)) if n < 5000 else rng.randbytes(n)
         assert native.xxh3_py(data) == native.xxh3(data), n
 
 
@@ -454,13 +461,13 @@ def test_zero_spans_and_xxh3_parts(backend):
     with pytest.raises(ValueError):
         native.zero_spans(buf, np.array([95]), np.array([6]))
     assert torch.equal(buf, want)                       # a refused call writes nothing
-    data = os.urandom(3000)
+    data = random.Random(12).randbytes(3000)
     parts = [data[:1], memoryview(data)[1:1000], bytearray(data[1000:2999]), data[2999:]]
     assert native.xxh3_parts(parts) == native.xxh3(data) == native.xxh3_py(data)
 
 
 def test_xxh3_input_kinds(backend):
-    data = os.urandom(4099)
+    data = random.Random(13).randbytes(4099)
     want = native.xxh3_py(data)
     t = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     assert native.xxh3(data) == want and native.xxh3(t) == want
@@ -554,7 +561,7 @@ def test_load_known_table_refuses_spans_outside_the_buffer(tmp_path):
 
 
 def test_xxh64_input_kinds(backend):
-    data = os.urandom(4099)
+    data = random.Random(14).randbytes(4099)
     want = native.xxh64_py(data, 3)
     t = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     assert native.xxh64(t, 3) == want
@@ -607,7 +614,8 @@ def test_cuda_side_stream_and_graph_capture(backend):
 
 @needs_cuda
 def test_cuda_pinned_transfers(backend):
-    src = torch.randint(0, 256, (1 << 20,), dtype=torch.uint8, device="cuda")
+    src = torch.randint(0, 256, (1 << 20,), dtype=torch.uint8,
+                        generator=torch.Generator().manual_seed(15)).to("cuda")
     host = torch.zeros(1 << 20, dtype=torch.uint8).pin_memory()
     back = torch.zeros_like(src)
     native.copy_segments([(src[:1000], host[:1000]), (src[5000:], host[5000:])])

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 import flashrt
-from conftest import hf_cached_step, hf_logits, hf_reference
+from conftest import assert_greedy_matches, hf_cached_step, hf_logits, hf_reference, teacher_forced
 from flashrt.layers import StepCtx
 from flashrt.linear_attn import (causal_conv, chunk_gated_delta_rule, fast_kernels,
                                  recurrent_gated_delta_rule)
@@ -89,9 +89,13 @@ def test_chunked_prefill_matches_one_shot(runtime):
             continue
         assert (one.arena[name] - small.arena[name]).abs().max() <= 5e-5, name
         assert (one.arena[name] - split.arena[name]).abs().max() <= 5e-5, name
-    cont = one.generate(max_new_tokens=16, ignore_eos=True)
-    assert cont == small.generate(max_new_tokens=16, ignore_eos=True)
-    assert cont == split.generate(max_new_tokens=16, ignore_eos=True)
+    # each split's greedy continuation, teacher-forced through the one-shot run (restored to
+    # the end of the prompt for each): the same tokens wherever one-shot is decisive
+    at_prompt = one.snapshot()
+    for name, rt in (("chunk 7", small), ("13 + 27", split)):
+        toks = rt.generate(max_new_tokens=16, ignore_eos=True)
+        one.restore(at_prompt)
+        assert_greedy_matches(teacher_forced(one, l_one[-1], toks), toks, what=name)
 
 
 # ---- GDN math against transformers' reference functions ---------------------------------------
@@ -245,7 +249,9 @@ def test_bf16_keeps_fp32_state_and_params(runtime):
     ids = _ids(30, seed=5)
     ref = runtime(ARCH).prefill(ids)
     got = rt.prefill(ids)
-    assert torch.isfinite(got).all() and (got - ref).abs().max() < 0.25 * ref.abs().max()
+    # bf16 against fp32 on the same weights: measured 0.032 of max |logit| (a bf16-only slip in
+    # the gate, e.g. dt_bias dropped, gives 0.22)
+    assert torch.isfinite(got).all() and (got - ref).abs().max() < 0.05 * ref.abs().max()
 
 
 def test_weight_names(runtime):
@@ -262,11 +268,11 @@ def test_ungated_attention_variant(ckpt):
     with zero gate rows (sigmoid 0 = 1/2) and a doubled o_proj."""
     gated = q35.Qwen3_5Config.from_hf(_config(ckpt))
     plain = q35.Qwen3_5Config.from_hf(_config(ckpt, attn_output_gate=False))
-    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(0)
     ga, pa = q35.Attention(gated, "x"), q35.Attention(plain, "x")
     for m in (ga, pa):
         for p in m.parameters():
-            torch.nn.init.normal_(p, std=0.2)
+            torch.nn.init.normal_(p, std=0.2, generator=g)
     H, D = gated.num_attention_heads, gated.head_dim
     assert pa.q_proj.weight.shape[0] == H * D and ga.q_proj.weight.shape[0] == 2 * H * D
     with torch.no_grad():
@@ -277,7 +283,7 @@ def test_ungated_attention_variant(ckpt):
             getattr(ga, n).weight.copy_(getattr(pa, n).weight)
         ga.o_proj.weight.copy_(2 * pa.o_proj.weight)
     T = 5
-    x, pos = torch.randn(T, gated.hidden_size), torch.arange(T)
+    x, pos = torch.randn(T, gated.hidden_size, generator=g), torch.arange(T)
     rot = q35.Rotary(gated.rot_dim, gated.rope_theta)
     cos, sin = rot(pos, x.dtype)
 

@@ -22,30 +22,57 @@ T1 = [(7 * i + 3) % 97 + 1 for i in range(40)]
 
 
 class Server:
-    """A redis-server on a free loopback port, killable and restartable on that port."""
+    """A redis-server on a free loopback port, killable and restartable on that port. The
+    port is free when chosen, not when the server binds it: start() checks that the server
+    answering is this one (INFO's process_id; probe: client options, e.g. TLS and a password)
+    and picks new ports when this one exited (its bind failed)."""
 
-    def __init__(self, tmp, *extra, conf=None):
-        exe = shutil.which("redis-server")
-        if exe is None:
+    def __init__(self, tmp, *extra, conf=None, probe=None):
+        self.exe = shutil.which("redis-server")
+        if self.exe is None:
             pytest.fail("redis-server not found: run ./run.sh setup (apt-get install redis-server)")
+        self.tmp, self.extra, self.conf, self.probe = tmp, extra, conf, probe or {}
+        for _ in range(3):
+            self._pick_ports()
+            if self.start(retry=True):
+                return
+        pytest.fail("redis-server: no free port after 3 tries")
+
+    def _pick_ports(self):
         with socket.socket() as s, socket.socket() as s2:   # the port, and one for a cluster bus
             s.bind(("127.0.0.1", 0))
             s2.bind(("127.0.0.1", 0))
             self.port, self.bus = s.getsockname()[1], s2.getsockname()[1]
-        self.cmd = [exe, *([str(conf)] if conf else []), "--port", str(self.port), "--bind", "127.0.0.1",
-                    "--save", "", "--appendonly", "no", "--dir", str(tmp),
-                    *(x.format(port=self.port, bus=self.bus) for x in extra)]
+        self.cmd = [self.exe, *([str(self.conf)] if self.conf else []), "--port", str(self.port),
+                    "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(self.tmp),
+                    *(x.format(port=self.port, bus=self.bus) for x in self.extra)]
         self.url = f"redis://127.0.0.1:{self.port}/0"
-        self.start()
 
-    def start(self):
+    def start(self, retry=False) -> bool:
+        """Start (or restart, on the same port) and wait until this process answers; False
+        (retry=True) when it exited, as it does when another process took the port."""
         self.proc = subprocess.Popen(self.cmd, stdout=subprocess.DEVNULL)
         for _ in range(200):
+            if self.proc.poll() is not None:
+                if retry:
+                    return False
+                pytest.fail(f"redis-server exited ({self.proc.returncode}) on port {self.port}")
             try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.1):
-                    return
-            except OSError:
+                c = redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=1, **self.probe)
+                try:
+                    pid = int(c.info("server")["process_id"])
+                finally:
+                    c.close()
+            except (redis.RedisError, OSError):
                 time.sleep(0.02)
+                continue
+            if pid != self.proc.pid:         # another redis-server holds the port
+                self.kill()
+                if retry:
+                    return False
+                pytest.fail(f"port {self.port} is another redis-server's (pid {pid})")
+            return True
+        self.kill()
         pytest.fail(f"redis-server did not start on port {self.port}")
 
     def kill(self):
@@ -224,7 +251,7 @@ def test_redis_killed_mid_run(rt, tmp_path):
         t = stalls(RedisTier.from_url(srv.url, failures=2, open_s=30), a.fingerprint)
         assert max(t) < 0.6 and max(t[2:]) < 0.05             # refused, then the circuit is open
         srv.start()                          # back (empty): the tier reconnects by itself
-        time.sleep(0.6)
+        time.sleep(1.0)                      # once the breakers (open_s=0.5) let calls through
         a.set_context(T1 + [9, 9, 9], store=sa)
         assert ta.flush()
         b.set_context(T1 + [9, 9, 9, 4], store=sb)
@@ -246,17 +273,22 @@ def test_concurrent_writers_of_one_prefix(rt, tiers, raw):
     caps = [snap(a, T1), snap(a2, T1)]                        # same prefix, two capsule ids
     writers = [tiers(chunk_bytes=4096) for _ in range(6)]
     go = threading.Barrier(len(writers))
+    errors, flushed = [], [False] * len(writers)
 
     def write(i):
-        go.wait()
-        writers[i].publish(caps[i % 2])
-        writers[i].publish(caps[(i + 1) % 2])
-        writers[i].flush()
+        try:
+            go.wait()
+            writers[i].publish(caps[i % 2])
+            writers[i].publish(caps[(i + 1) % 2])
+            flushed[i] = writers[i].flush()
+        except BaseException as e:           # a raise in a thread would otherwise only warn
+            errors.append((i, repr(e)))
     threads = [threading.Thread(target=write, args=(i,)) for i in range(len(writers))]
     for th in threads:
         th.start()
     for th in threads:
         th.join()
+    assert not errors and all(flushed), (errors, flushed)    # every writer ran to the end
     P = f"flashrt:{{{fingerprint_digest(a.fingerprint)}}}:"
     metas = [k.decode() for k in raw.scan_iter(P + "m:*")]
     assert len(metas) == 1                                    # first writer of the prefix won
@@ -270,22 +302,38 @@ def test_concurrent_writers_of_one_prefix(rt, tiers, raw):
     assert n == len(T1) and all(torch.equal(got.raw(e), src.raw(e)) for e in src.entries)
 
 
-def test_publish_races_next_turn(rt, tiers):
+def test_publish_races_next_turn(rt, tiers, monkeypatch):
+    """A lookup while a publish is in flight (its chunks written, not yet committed; held
+    there until the lookup has been made, so the race always happens) is a miss, never a part
+    of the capsule; once committed it is all of it."""
     ta, tb = tiers(chunk_bytes=2048), tiers()
     a = rt()
     cap = snap(a, T1)
     want = fmt.to_bytes(cap)
-    seen = set()
-    ta.publish(cap)
-    while True:                              # before the publish completes: a miss or all of it
+    uploaded, release = threading.Event(), threading.Event()
+    real_run = ta._run
+
+    def run(name, *args):                    # the publisher's commit waits for the lookup
+        if name == "commit":
+            uploaded.set()
+            release.wait(10)
+        return real_run(name, *args)
+    monkeypatch.setattr(ta, "_run", run)
+    assert ta.publish(cap)                   # returns at once: the upload runs in the background
+    assert uploaded.wait(30), "the publish never reached its commit"
+    seen = []
+    got, n = tb.lookup(T1, a.fingerprint)    # in flight: a miss
+    seen.append("miss" if got is None else "hit")
+    release.set()
+    deadline = time.monotonic() + 30
+    while seen[-1] != "hit":                 # committed: all of it
+        assert time.monotonic() < deadline, f"the publish never landed: {seen[-5:]}"
         got, n = tb.lookup(T1, a.fingerprint)
-        if got is None:
-            seen.add("miss")
-        else:
+        if got is not None:
             assert n == len(T1) and fmt.to_bytes(got) == want
-            seen.add("hit")
-            break
-    assert ta.flush() and "hit" in seen and tb.stats()["corrupt"] == 0
+        seen.append("miss" if got is None else "hit")
+    assert seen[0] == "miss", seen
+    assert ta.flush() and ta.stats()["published"] == 1 and tb.stats()["corrupt"] == 0
 
 
 def test_chunking_and_chunk_size_checks(rt, tiers, raw):
@@ -321,7 +369,7 @@ def test_budget_lru_and_pinned(rt, tiers, raw):
 
 
 def test_ttl_child_use_renews_parents(rt, tiers, raw):
-    t = tiers(ttl_s=1.0)
+    t = tiers(ttl_s=2.0)
     a = rt()
     store = CapsuleStore(host_bytes=1 << 30, shared=t)
     a.set_context(T1[:30], store=store)
@@ -329,13 +377,17 @@ def test_ttl_child_use_renews_parents(rt, tiers, raw):
     assert t.flush() and t.stats()["published"] == 2
     P = f"flashrt:{{{fingerprint_digest(a.fingerprint)}}}:"
     parent = next(c for c in store.keys() if store.get(c).position == 30)
-    for _ in range(3):                       # 1.8 s > the TTL: kept alive by using the child
-        time.sleep(0.6)
+    for _ in range(5):                       # 2.5 s > the TTL: kept alive by using the child
+        time.sleep(0.5)                      # (1.5 s of slack per round)
+        before = raw.pttl(P + "m:" + parent)
         got, n = t.lookup(T1 + [1], a.fingerprint)
         assert n == len(T1) and got.parent_capsule.id == parent
-    assert raw.exists(P + "m:" + parent)
-    time.sleep(1.2)
-    assert not list(raw.scan_iter(P + "m:*"))                 # unused: expired
+        after = raw.pttl(P + "m:" + parent)
+        assert 0 < before < after <= 2000, (before, after)   # the parent's TTL renewed
+    deadline = time.monotonic() + 10         # unused: expires (within the TTL, 2 s)
+    while list(raw.scan_iter(P + "m:*")):
+        assert time.monotonic() < deadline, "unused capsules never expired"
+        time.sleep(0.1)
     assert t.lookup(T1, a.fingerprint) == (None, 0)
 
 
@@ -345,7 +397,8 @@ def test_tls_and_auth(rt, tmp_path):
                     "-days", "1", "-subj", "/CN=localhost", "-addext", "subjectAltName=IP:127.0.0.1"],
                    check=True, capture_output=True)
     srv = Server(tmp_path, "--port", "0", "--tls-port", "{port}", "--tls-cert-file", crt, "--tls-key-file",
-                 key, "--tls-ca-cert-file", crt, "--tls-auth-clients", "no", "--requirepass", "s3cret")
+                 key, "--tls-ca-cert-file", crt, "--tls-auth-clients", "no", "--requirepass", "s3cret",
+                 probe={"ssl": True, "ssl_ca_certs": crt, "password": "s3cret"})
     tls = {"ssl_ca_certs": crt}
     try:
         a = rt()

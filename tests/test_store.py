@@ -273,16 +273,21 @@ def test_delta_parents_kept_and_reattached(tmp_path):
                        disk_bytes=sum(_file_size(c) for c in (p, *kids, grand)) + 500)
     for k in ("p", "id-c0", "c1", "g"):
         st2.put(st.get(k), k)
-    for i in range(4):
-        st2.put(synth(f"f{i}", rows=300), f"f{i}")
+    fillers = [synth(f"f{i}", rows=300) for i in range(4)]
+    for i, f in enumerate(fillers):
+        st2.get("c1")                        # in use: c1 stays, and so must its parent p
+        st2.put(f, f"f{i}")
         _check_store(st2)
     assert len(st2) < 8                      # something was evicted (_check_store: no parent)
+    assert {"p", "c1"} <= set(st2.keys())
     # reopen from the directory alone: deltas come back with their parents re-attached
     survivors = CapsuleStore(disk_dir=tmp_path / "small")
     assert set(survivors.keys()) == set(st2.keys())
+    assert [c.id for c in survivors.get("c1").chain()] == ["id-p", "id-c1"]
+    want = {x.id: x for x in (p, *kids, grand, *fillers)}
     for k in survivors.keys():
-        assert all(_same(c, {x.id: x for x in (p, *kids, grand)}.get(c.id) or c)
-                   for c in survivors.get(k).chain())
+        for c in survivors.get(k).chain():
+            assert c.id in want and _same(c, want[c.id]), (k, c.id)
     alldisk = CapsuleStore(device_bytes=0, host_bytes=0, disk_dir=tmp_path / "all")
     for k in ("p", "id-c0", "c1", "g"):
         alldisk.put(st.get(k), k)
