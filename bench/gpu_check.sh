@@ -125,7 +125,7 @@ assert n.HAVE_EXT and n.HAVE_CUDA_EXT, 'CUDA extension missing'\""
 # two steps: a timeout in the Triton tests (each kernel variant compiles on first use) must not
 # lose the runtime's results
 step 1 45 "CUDA tests: graphs, capsules" bash -c "cd tests && '$PY' -m pytest -q -rfEs --tb=short \
-  -p no:cacheprovider test_cuda.py test_qwen3_5.py -k cuda"
+  -p no:cacheprovider test_cuda.py test_qwen3_5.py test_capture_check.py -k cuda"
 # the CUDA segment-copy tests (a few seconds) first: a Triton compile timeout must not lose them
 step 1 30 "CUDA tests: segment copy, Triton decode attention" bash -c "cd tests && '$PY' -m pytest \
   -q -rfEs --tb=short -p no:cacheprovider test_native.py test_decode_attention.py -k cuda"

@@ -7,8 +7,8 @@ strides, scalars and external buffers; and if it never reads a device value on t
 (`.item()`, `bool(t)`, a tensor slice bound, `nonzero`, a boolean mask) nor makes a tensor
 without a device (on CUDA: a host tensor mixed into device ops). `hazards` checks both.
 
-It sees only the code that runs here: CUDA-only branches (Triton attention, fused kernels)
-are not covered.
+It sees only the code that runs where it runs: on CPU the CUDA-only branches (Triton
+attention, fused kernels) are not covered; tests/test_capture_check.py also runs it on CUDA.
 """
 from __future__ import annotations
 

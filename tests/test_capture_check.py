@@ -58,11 +58,17 @@ def test_check_names_each_planted_mistake(name):
 
 
 # ---- the bodies flashrt captures ------------------------------------------------------------
-# linear_kernel="aten": what CUDA selects (the CPU kernels never run inside a graph)
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+# linear_kernel="aten": what CUDA selects (the CPU kernels never run inside a graph). On a GPU
+# (bench/gpu_check.sh) the bodies run eagerly there, so CUDA-only branches (Triton attention)
+# are checked too, before any capture.
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+
+
+@pytest.mark.parametrize("device,dtype", [("cpu", "float32"), ("cpu", "bfloat16"),
+                                          pytest.param("cuda", "bfloat16", marks=CUDA)])
 @pytest.mark.parametrize("arch", ARCHS)
-def test_language_model_graph_bodies_are_capturable(runtime, arch, dtype):
-    rt = runtime(arch, dtype=dtype, linear_kernel="aten")
+def test_language_model_graph_bodies_are_capturable(runtime, arch, device, dtype):
+    rt = runtime(arch, dtype=dtype, linear_kernel="aten", device=device, cuda_graphs=False)
     graphs = use_graph_bodies(rt)
     rt.prefill(list(range(1, 20)))
     moves = iter(range(30, 10_000, 7))
