@@ -111,7 +111,7 @@ def bench_size(size, a, tables):
     rt.generate(prompt, max_new_tokens=1, speculative="mtp")   # MTP rows of the prompt filled
     P = rt.position
     base = rt.snapshot()
-    steps = S.EagerSteps(rt) if rt.graphs is None else rt.speculation().steps_for(kmax)
+    steps = S.EagerSteps(net, rt.session) if rt.graphs is None else rt.speculation().steps_for(kmax)
     toks = C.random_ids(kmax + 1, vocab, seed=2)
     hid = ar["mtp.hidden"][None].clone()
     hidk = hid.expand(kmax + 1, -1).contiguous()

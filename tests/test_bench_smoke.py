@@ -91,3 +91,18 @@ def test_linear_bench_quick(tmp_path, dtype, tol):
     kernels |= {"widened"} if dtype == "bfloat16" else set()
     assert set(data["stats"]) == {f"{k} M={m}" for k in kernels for m in (1, 3, 16)}
     assert max(data["max_rel_err"].values()) < tol
+
+
+def test_speculative_bench_quick(tmp_path):
+    """bench/speculative.py end to end (the trained default model and tiny): every speculative
+    run, MTP drafts and injected oracle / always-wrong drafters, equals plain greedy. It broke
+    unnoticed once (a stale constructor call after the Session redesign)."""
+    out = tmp_path / "speculative.json"
+    r = subprocess.run([sys.executable, "bench/speculative.py", "--quick", "--no-progress", "--out", str(out)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    results = json.loads(out.read_text())["data"]["results"]
+    assert [x["size"] for x in results] == ["trained", "tiny"]
+    for res in results:
+        runs = {k: v for k, v in res["end_to_end"].items() if k != "plain"}
+        assert runs and all(v["same_as_plain"] for v in runs.values()), res["size"]
