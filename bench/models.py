@@ -130,38 +130,49 @@ def bench_arch(arch, a, tables):
 
 def fork_costs(rt, state, a, tables, lab) -> dict:
     """fork() at the decode context: shared arena (the default with captured graphs: one state
-    copy, no capture) against snapshot() alone; then a decode on the fork and one back on the
-    parent, each a turn switch (park + unpark) plus a step, against a plain decode step."""
+    copy, no capture) against snapshot() alone (both into fresh memory); then one fork and its
+    parent decoding in turn, each step a turn switch (park into a reused buffer + unpark) plus
+    a decode, against plain decode steps and against snapshot(into=) + restore, the two copies
+    a switch makes."""
     tok = int(state["f"].argmax())
     kids = []
 
     def fork():
         kids.append(rt.fork(share=True))
+    mark = rt.snapshot()
+    twin = rt.fork(mark, share=True)            # taking turns with rt for the whole run
+    buf = rt.empty_capsule()
 
     def switch_pair():
-        kids[-1].decode(tok)
+        twin.decode(tok)
         rt.decode(tok)
 
     def plain_pair():
         rt.decode(tok)
         rt.decode(tok)
-    mark = rt.snapshot()
     cases = {"snapshot": C.Case(rt.snapshot), "fork": C.Case(fork),
-             "switch_pair": C.Case(switch_pair, setup=lambda: (rt.restore(mark), fork())),
+             "copies": C.Case(lambda: (rt.snapshot(into=buf), rt.restore(buf))),
+             "switch_pair": C.Case(switch_pair),
              "plain_pair": C.Case(plain_pair, setup=lambda: rt.restore(mark))}
     st = C.measure(cases, a.repeats, a.warmup, a.device, desc="fork")
-    for k in kids:
+    for k in kids + [twin]:
         k.close()
     t = C.Table(f"{lab}: fork at {rt.position} positions ({a.device}, {a.dtype}, graphs "
                 f"{'captured' if rt.graphs is not None and rt.graphs.captured else 'off'})",
                 ["case", "ms", "vs"])
-    t.add("snapshot()", st["snapshot"].ms(), "")
+    t.add("snapshot() (fresh buffer)", st["snapshot"].ms(), "")
     t.add("fork(share=True)", st["fork"].ms(), C.fmt_ratio(C.ratio(st["fork"], st["snapshot"])) + " of snapshot")
     t.add("decode on fork + decode on parent", st["switch_pair"].ms(),
           C.fmt_ratio(C.ratio(st["switch_pair"], st["plain_pair"])) + " of two plain decodes")
     t.add("two plain decodes", st["plain_pair"].ms(), "")
+    # a switch parks one state and unparks another: two switches are 2 x (snapshot(into) + restore)
+    extra = st["switch_pair"].median - st["plain_pair"].median
+    t.add("two switches (difference of the medians)", f"{extra * 1e3:.1f}",
+          C.fmt_ratio(extra / (2 * st["copies"].median)) + " of 2 x (snapshot(into) + restore)")
+    t.add("snapshot(into) + restore", st["copies"].ms(), "")
     t.notes.append("a shared fork holds its state in a capsule while the other runs: each turn "
-                   "switch parks one state and unparks another (flashrt/slots.py)")
+                   "switch parks one state (into a buffer an earlier switch freed) and unparks "
+                   "another (flashrt/slots.py); the fork's own snapshot takes fresh memory")
     tables.append(t)
     return dict(st)
 
