@@ -152,7 +152,8 @@ def fork_costs(rt, state, a, tables, lab) -> dict:
         rt.decode(tok)
     cases = {"snapshot": C.Case(rt.snapshot), "fork": C.Case(fork),
              "copies": C.Case(lambda: (rt.snapshot(into=buf), rt.restore(buf))),
-             "switch_pair": C.Case(switch_pair),
+             # both at the mark, the parent resident (untimed): each timed decode is a switch
+             "switch_pair": C.Case(switch_pair, setup=lambda: (twin.restore(mark), rt.restore(mark))),
              "plain_pair": C.Case(plain_pair, setup=lambda: rt.restore(mark))}
     st = C.measure(cases, a.repeats, a.warmup, a.device, desc="fork")
     for k in kids + [twin]:
