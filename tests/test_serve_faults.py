@@ -28,12 +28,29 @@ def tiny(ckpt):
 
 
 @pytest.fixture(scope="module")
-def one(tiny, tmp_path_factory):
+def pool(tiny, tmp_path_factory):
+    """pool(n) -> a server with n model sessions (made once per module)."""
+    made = {}
+
+    def get(n):
+        if n not in made:
+            made[n] = Server(tiny, "--max-sessions", str(n), "--max-seq-len", "4096",
+                             log=tmp_path_factory.mktemp(f"pool{n}") / "server.log")
+        return made[n]
+    yield get
+    for s in made.values():
+        s.stop()
+
+
+@pytest.fixture
+def one(pool):
     """One model session: every request beyond the first waits."""
-    s = Server(tiny, "--max-sessions", "1", "--max-seq-len", "4096",
-               log=tmp_path_factory.mktemp("one") / "server.log")
-    yield s
-    s.stop()
+    return pool(1)
+
+
+@pytest.fixture
+def two(pool):
+    return pool(2)
 
 
 def _first_chunk(lines):
@@ -74,14 +91,6 @@ def test_abandoned_non_streaming_request_frees_its_session(one):
     one.complete([4, 5], max_tokens=2)
     # 3000 tokens of the tiny model take several seconds on this machine
     assert time.monotonic() - t0 < 2.5
-
-
-@pytest.fixture(scope="module")
-def two(tiny, tmp_path_factory):
-    s = Server(tiny, "--max-sessions", "2", "--max-seq-len", "4096",
-               log=tmp_path_factory.mktemp("two") / "server.log")
-    yield s
-    s.stop()
 
 
 def test_late_cancel_never_rewrites_a_session_that_moved_on(two):
