@@ -83,11 +83,10 @@ class _TraceMode(TorchDispatchMode):
                 isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8)
                 for i in (args[1] or []) if i is not None):
             self.found.append(f"boolean-mask index (host sync) at {_where()}")
-        ins = [x for x in tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
-        self.trace.append((str(func), [self._desc(x) for x in tree_leaves((args, kwargs))],
-                           _where()))
+        leaves = tree_leaves((args, kwargs))
+        self.trace.append((str(func), [self._desc(x) for x in leaves], _where()))
         out = func(*args, **kwargs)
-        in_ptrs = {x.untyped_storage().data_ptr() for x in ins}
+        in_ptrs = {x.untyped_storage().data_ptr() for x in leaves if isinstance(x, torch.Tensor)}
         for y in tree_leaves(out):
             if isinstance(y, torch.Tensor) and y.untyped_storage().data_ptr() not in in_ptrs:
                 self.made[y.untyped_storage().data_ptr()] = len(self.trace) - 1
