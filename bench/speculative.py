@@ -7,20 +7,23 @@ capsule first, untimed):
   mtp T             one MTP step over T pairs (the first draft step also writes the accepted
                     rows of the previous round: T = tokens committed then)
   verify k          one main step over k+1 tokens returning all-position hidden states + logits
-  snapshot/restore  the fixed-state capsule of mechanism (b) (preallocated, one copy)
-  re-prefill n      the main step over the n = a+1 accepted tokens after a restore
-  planes estimate   mechanism (a)'s extra work: the per-token recurrent GDN rule instead of the
-                    chunked one over k+1 tokens (all GDN layers) + copying k+1 state planes
+                    and keeping the state after each position (mechanism "planes", the default:
+                    the per-token GDN rule + the plane copies)
+  keep plane        the plane copy back on partial acceptance
+  verify k, no planes  the same step without planes (the chunked GDN rule): mechanism "rerun"
+  mark/rewind       the fixed-state copy of mechanism "rerun" (preallocated, one copy each way)
+  re-prefill n      the main step over the n = a+1 accepted tokens after a rewind ("rerun")
 Acceptance is measured by running speculative generate; with random weights the MTP layer and
 the main model are unrelated, so it accepts almost nothing (the JSON says so). The model trained
 here (`--sizes trained`: flashrt/assets/pystdlib-qwen35, `python -m flashrt.train`) has a trained
 MTP layer: on prompts cut from the stdlib files it held out, its acceptance per draft position
-for each k and plain vs speculative tokens/s are measured side by side, next to the break-even
-acceptance modeled from this run's step costs. Tokens/s as a
-function of a per-token acceptance probability a comes from the measured costs:
-  E[tokens per round] = (1 - a^(k+1)) / (1 - a)
-  E[cost per round]   = sum_j P(j accepted) * (mtp(first) + (k-1) mtp(1) + snapshot + verify k
-                        + [j < k] (restore + re-prefill j+1)),  P(j) = a^j (1-a), P(k) = a^k
+for each k and plain vs speculative tokens/s (both mechanisms) are measured side by side, next
+to the break-even acceptance modeled from this run's step costs. Tokens/s as a function of a
+per-token acceptance probability a comes from the measured costs:
+  E[tokens per round] = (1 - a^(k+1)) / (1 - a),  P(j accepted) = a^j (1-a), P(k) = a^k
+  planes: E[cost] = mtp(first) + (k-1) mtp(1) + verify k + P(j < k) keep plane
+  rerun:  E[cost] = mtp(first) + (k-1) mtp(1) + mark + verify k, no planes
+                    + sum_{j<k} P(j) (rewind + re-prefill j+1)
 End-to-end generate runs with an oracle drafter (a = 1: it proposes plain greedy's own tokens)
 and an always-wrong one (a = 0) check the model against wall clock.
 
@@ -68,25 +71,30 @@ def parse(argv):
 
 
 # ---- model of tokens/s -------------------------------------------------------------------------
+MECHS = ("planes", "rerun")
+
+
 def modeled(ms: dict, k: int, rate: float) -> dict:
-    """Expected tokens and ms per round of mechanism (b) and the (a) estimate, at acceptance rate."""
+    """Expected tokens and ms per round of both mechanisms at per-token acceptance `rate`."""
     pj = [rate ** j * (1 - rate) for j in range(k)] + [rate ** k]
     tokens = sum((j + 1) * p for j, p in enumerate(pj))           # = (1 - a^(k+1)) / (1 - a)
     first = sum(p * ms["mtp"][min(j + 1, max(ms["mtp"]))] for j, p in enumerate(pj))
     draft = first + (k - 1) * ms["mtp"][1]
-    base = draft + ms["verify"][k]
-    b = base + ms["snapshot"] + sum(p * (ms["restore"] + ms["reprefill"][j + 1])
-                                    for j, p in enumerate(pj[:k]))
-    a_est = base + ms["planes"][k] + sum(pj[:k]) * ms["plane_restore"]
-    return {"tokens_per_round": tokens, "ms_per_round_b": b, "ms_per_round_a_est": a_est,
-            "ms_draft": draft, "tok_s_b": 1e3 * tokens / b, "tok_s_a_est": 1e3 * tokens / a_est}
+    cost = {"planes": draft + ms["verify"][k] + sum(pj[:k]) * ms["keep_plane"],
+            "rerun": draft + ms["snapshot"] + ms["verify_no_planes"][k]
+            + sum(p * (ms["restore"] + ms["reprefill"][j + 1]) for j, p in enumerate(pj[:k]))}
+    out = {"tokens_per_round": tokens, "ms_draft": draft}
+    for m in MECHS:
+        out[f"ms_per_round_{m}"] = cost[m]
+        out[f"tok_s_{m}"] = 1e3 * tokens / cost[m]
+    return out
 
 
-def break_even(ms: dict, k: int) -> float | None:
-    """Smallest acceptance rate (0.01 steps) where (b) beats plain decode."""
+def break_even(ms: dict, k: int, mech: str = "planes") -> float | None:
+    """Smallest acceptance rate (0.01 steps) where `mech` beats plain decode."""
     plain = 1e3 / ms["decode"]
     for i in range(101):
-        if modeled(ms, k, i / 100)["tok_s_b"] >= plain:
+        if modeled(ms, k, i / 100)[f"tok_s_{mech}"] >= plain:
             return i / 100
     return None
 
@@ -96,7 +104,6 @@ def bench_size(size, a, tables):
     import torch
 
     import flashrt.speculative as S
-    from flashrt.linear_attn import chunk_gated_delta_rule, recurrent_gated_delta_rule
 
     trained = size == "trained"
     path = trained_path() if trained else C.checkpoint("qwen3_5", size)
@@ -118,6 +125,7 @@ def bench_size(size, a, tables):
     cap = rt.session.mark()
     T = lambda ids: torch.tensor(ids, device=dev)  # noqa: E731
     reset = lambda: rt.restore(base)               # noqa: E731
+    planes = steps.planes_for(kmax + 1)            # what a partial round copies back (keep)
 
     def draft(k):
         logits, g = steps.draft(T(toks[:1]), hid, P - 1)
@@ -127,64 +135,42 @@ def bench_size(size, a, tables):
 
     cases = {"decode": C.Case(lambda: rt.decode(toks[0]), setup=reset),
              "snapshot": C.Case(lambda: rt.session.mark(into=cap)),
-             "restore": C.Case(lambda: rt.session.rewind(cap))}
+             "restore": C.Case(lambda: rt.session.rewind(cap)),
+             "keep plane": C.Case(lambda: planes.keep(0))}
     for n in range(1, kmax + 2):
         cases[f"mtp {n}"] = C.Case(lambda n=n: steps.draft(T(toks[:n]), hidk[:n], P - 1), setup=reset)
         cases[f"main {n}"] = C.Case(lambda n=n: steps.main(T(toks[:n]), all_logits=False), setup=reset)
     for k in a.ks:
         cases[f"draft {k}"] = C.Case(lambda k=k: draft(k), setup=reset)
-        cases[f"verify {k}"] = C.Case(lambda k=k: steps.main(T(toks[:k + 1])), setup=reset)
-    # mechanism (a) estimate: per-token GDN rule vs chunked over k+1 tokens, on one layer's
-    # shapes, times the GDN layers; plus k+1 state planes copied (and one copied back)
-    gdn = [m.linear_attn for m in net.layers if m.linear]
-    g0, dt = gdn[0], rt.model.dtype
-    fixed_bytes = sum(ar[g.rec_name].numel() * 4 + ar[g.conv_name].numel() * ar[g.conv_name].element_size()
-                      for g in gdn)
-    planes_buf = torch.empty((kmax + 1) * fixed_bytes, dtype=torch.uint8, device=dev)
-    src = torch.empty(fixed_bytes, dtype=torch.uint8, device=dev)
-    for k in a.ks:
-        Tn = k + 1
-        q = torch.randn(Tn, g0.hk, g0.dk, device=dev, dtype=dt)
-        kk = torch.randn(Tn, g0.hk, g0.dk, device=dev, dtype=dt)
-        v = torch.randn(Tn, g0.hv, g0.dv, device=dev, dtype=dt)
-        gg = -torch.rand(Tn, g0.hv, device=dev)
-        beta = torch.rand(Tn, g0.hv, device=dev, dtype=dt)
-        s0 = torch.zeros(g0.hv, g0.dk, g0.dv, device=dev)
-        f = g0.fast_rule
-        cases[f"rule chunk {k}"] = C.Case(lambda q=q, kk=kk, v=v, gg=gg, beta=beta, s0=s0:
-                                          chunk_gated_delta_rule(q, kk, v, gg, beta, s0, fast=f))
-        cases[f"rule recurrent {k}"] = C.Case(lambda q=q, kk=kk, v=v, gg=gg, beta=beta, s0=s0:
-                                              recurrent_gated_delta_rule(q, kk, v, gg, beta, s0, fast=f))
-        cases[f"planes copy {k}"] = C.Case(
-            lambda k=k: [planes_buf[i * fixed_bytes:(i + 1) * fixed_bytes].copy_(src) for i in range(k + 1)])
-    cases["plane restore"] = C.Case(lambda: src.copy_(planes_buf[:fixed_bytes]))
+        cases[f"verify {k}"] = C.Case(lambda k=k: steps.main(T(toks[:k + 1]), planes=True), setup=reset)
+        cases[f"verify no planes {k}"] = C.Case(lambda k=k: steps.main(T(toks[:k + 1])), setup=reset)
     st = C.measure(cases, a.repeats, a.warmup, dev, desc=f"qwen3_5/{size} steps")
     rt.restore(base)
     med = {n: s.median * 1e3 for n, s in st.items()}
     ms = {"decode": med["decode"], "snapshot": med["snapshot"], "restore": med["restore"],
+          "keep_plane": med["keep plane"],
           "mtp": {n: med[f"mtp {n}"] for n in range(1, kmax + 2)},
           "reprefill": {n: med[f"main {n}"] for n in range(1, kmax + 1)},
           "verify": {k: med[f"verify {k}"] for k in a.ks},
-          "draft": {k: med[f"draft {k}"] for k in a.ks},
-          "planes": {k: len(gdn) * max(0.0, med[f"rule recurrent {k}"] - med[f"rule chunk {k}"])
-                     + med[f"planes copy {k}"] for k in a.ks},
-          "plane_restore": med["plane restore"]}
+          "verify_no_planes": {k: med[f"verify no planes {k}"] for k in a.ks},
+          "draft": {k: med[f"draft {k}"] for k in a.ks}}
+    fixed_bytes = sum(b[0].numel() * b.element_size() for b in planes.buffers.values())
 
     t = C.Table(f"{lab}: step costs at context {P} ({dev}, {a.dtype}; ms, median [min-max])",
-                ["k", "draft k", "verify k (k+1 tok)", "verify/decode", "snapshot", "restore",
-                 "re-prefill 1..k", "planes est. (a)"])
+                ["k", "draft k", "verify k (k+1 tok)", "verify/decode", "keep plane",
+                 "verify k, no planes", "mark", "rewind", "re-prefill 1..k"])
     for k in a.ks:
         rp = ", ".join(f"{ms['reprefill'][n]:.2f}" for n in range(1, k + 1))
         t.add(k, st[f"draft {k}"].ms(2), st[f"verify {k}"].ms(2),
-              f"{ms['verify'][k] / ms['decode']:.2f}", st["snapshot"].ms(3), st["restore"].ms(3), rp,
-              f"{ms['planes'][k]:.3f}")
+              f"{ms['verify'][k] / ms['decode']:.2f}", st["keep plane"].ms(3),
+              st[f"verify no planes {k}"].ms(2), st["snapshot"].ms(3), st["restore"].ms(3), rp)
     t.notes += [f"plain decode step: {st['decode'].ms(2)} ms; MTP step over T pairs: " +
                 ", ".join(f"T={n} {ms['mtp'][n]:.2f}" for n in range(1, kmax + 2)),
-                f"fixed state (recurrent + conv) {C.fmt_bytes(fixed_bytes)}; capsule snapshot/restore "
-                f"copy the whole fixed block ({C.fmt_bytes(ar.fixed_end - ar.fixed_begin)}, incl. "
-                "logits/MTP hidden)",
-                "planes est. (a): GDN layers x (per-token rule - chunked rule over k+1 tokens) + k+1 "
-                "plane copies; an estimate, (a) is not implemented"]
+                "verify k: mechanism planes (the default): the step also keeps the fixed state "
+                f"({C.fmt_bytes(fixed_bytes)}: recurrent + conv + MTP hidden) after each position; "
+                "keep plane: one copied back on partial acceptance",
+                "verify k, no planes / mark / rewind / re-prefill: mechanism rerun (mark copies the "
+                f"whole fixed block, {C.fmt_bytes(ar.fixed_end - ar.fixed_begin)} incl. logits)"]
     tables.append(t)
 
     # ---- acceptance and end-to-end ------------------------------------------------------------
@@ -209,62 +195,72 @@ def bench_size(size, a, tables):
     acc = {}
     for k in a.ks:
         for name, dr in (("mtp", None), ("oracle a=1", oracle(False)), ("wrong a=0", oracle(True))):
-            r = rt.fork()
-            r.reset()
-            kw = dict(ignore_eos=True, speculative="mtp", draft_tokens=k, drafter=dr)
-            out = r.generate(prompt, max_new_tokens=1, **kw)
-            t0 = time.perf_counter()
-            out += r.generate(max_new_tokens=a.gen, **kw)
-            s = time.perf_counter() - t0
-            stats = S.last_stats(r)
-            rate = stats["accepted"] / max(1, stats["drafted"])
-            e2e[f"{name} k={k}"] = {"tok_s": a.gen / s, "acceptance": rate, "stats": stats,
-                                    "same_as_plain": out == ref}
-            if name == "mtp":
-                acc[k] = rate
+            for mech in MECHS:                       # back to back, same drafter and k
+                r = rt.fork()
+                r.reset()
+                S.use_mechanism(r, mech)
+                kw = dict(ignore_eos=True, speculative="mtp", draft_tokens=k, drafter=dr)
+                out = r.generate(prompt, max_new_tokens=1, **kw)
+                t0 = time.perf_counter()
+                out += r.generate(max_new_tokens=a.gen, **kw)
+                s = time.perf_counter() - t0
+                stats = S.last_stats(r)
+                rate = stats["accepted"] / max(1, stats["drafted"])
+                e2e[f"{name} k={k} {mech}"] = {"tok_s": a.gen / s, "acceptance": rate, "stats": stats,
+                                               "same_as_plain": out == ref}
+                if name == "mtp" and mech == "planes":
+                    acc[k] = rate
+                r.close()
     te = C.Table(f"{lab}: end-to-end generate of {a.gen} tokens after a {a.context}-token prompt "
                  "(wall clock, one run each)",
-                 ["drafter", "k", "acceptance", "tok/s", "vs plain", "modeled tok/s (b)", "= plain greedy"])
-    te.add("plain", "-", "-", f"{e2e['plain']['tok_s']:.1f}", "1.00x", f"{1e3 / ms['decode']:.1f}", "-")
+                 ["drafter", "k", "acceptance", "tok/s planes", "tok/s rerun", "planes/rerun",
+                  "planes vs plain", "modeled planes", "modeled rerun", "= plain greedy"])
+    pl = e2e["plain"]["tok_s"]
+    te.add("plain", "-", "-", f"{pl:.1f}", "-", "-", "1.00x", f"{1e3 / ms['decode']:.1f}", "-", "-")
     for k in a.ks:
         for name, rate in (("mtp", acc[k]), ("oracle a=1", 1.0), ("wrong a=0", 0.0)):
-            e = e2e[f"{name} k={k}"]
-            mod = modeled(ms, k, e["acceptance"] if name == "mtp" else rate)
-            m = mod["tok_s_b"]
+            ep, er = e2e[f"{name} k={k} planes"], e2e[f"{name} k={k} rerun"]
+            mod = modeled(ms, k, ep["acceptance"] if name == "mtp" else rate)
+            m = {x: mod[f"tok_s_{x}"] for x in MECHS}
             if name != "mtp":   # injected drafters cost ~nothing: the round without its draft term
-                m = 1e3 * mod["tokens_per_round"] / (mod["ms_per_round_b"] - mod["ms_draft"])
-            te.add(name, k, f"{e['acceptance']:.3f}", f"{e['tok_s']:.1f}",
-                   C.fmt_ratio(e["tok_s"] / e2e["plain"]["tok_s"]), f"{m:.1f}", e["same_as_plain"])
+                m = {x: 1e3 * mod["tokens_per_round"] / (mod[f"ms_per_round_{x}"] - mod["ms_draft"])
+                     for x in MECHS}
+            te.add(name, k, f"{ep['acceptance']:.3f}", f"{ep['tok_s']:.1f}", f"{er['tok_s']:.1f}",
+                   C.fmt_ratio(ep["tok_s"] / er["tok_s"]), C.fmt_ratio(ep["tok_s"] / pl),
+                   f"{m['planes']:.1f}", f"{m['rerun']:.1f}",
+                   f"{ep['same_as_plain']}, {er['same_as_plain']}")
     te.notes += [("trained model, one held-out prompt (see the acceptance table for more)" if trained else
                   "random weights: the MTP layer and the main model are unrelated, so MTP drafts are "
                   "accepted almost never") + "; the oracle/wrong drafters pin acceptance at 1 and 0",
+                 "planes / rerun: speculative.use_mechanism, run back to back; '= plain greedy' for both",
                  "wall clock of generate() after the prompt: includes the end-of-call MTP flush and "
                  "commit of the pending token; modeled tok/s is per decoding round only"]
     tables.append(te)
 
-    tm = C.Table(f"{lab}: modeled tokens/s vs per-token acceptance rate a (mechanism (b); "
-                 f"plain decode {1e3 / ms['decode']:.1f} tok/s)",
-                 ["a"] + [f"k={k} tok/s (x plain)" for k in a.ks] + [f"k={k} (a) est." for k in a.ks])
+    tm = C.Table(f"{lab}: modeled tokens/s vs per-token acceptance rate a (plain decode "
+                 f"{1e3 / ms['decode']:.1f} tok/s)",
+                 ["a"] + [f"k={k} planes (x plain)" for k in a.ks] + [f"k={k} rerun" for k in a.ks])
     curve = {}
     for rate in RATES:
         row, rest = [f"{rate:.1f}"], []
         for k in a.ks:
             m = modeled(ms, k, rate)
             curve.setdefault(k, []).append({"a": rate, **m})
-            row.append(f"{m['tok_s_b']:.1f} ({m['tok_s_b'] * ms['decode'] / 1e3:.2f}x)")
-            rest.append(f"{m['tok_s_a_est']:.1f}")
+            row.append(f"{m['tok_s_planes']:.1f} ({m['tok_s_planes'] * ms['decode'] / 1e3:.2f}x)")
+            rest.append(f"{m['tok_s_rerun']:.1f}")
         tm.add(*(row + rest))
-    tm.notes += ["tokens per round = (1 - a^(k+1)) / (1 - a); cost per round = draft + snapshot + verify "
-                 "+ P(partial) (restore + re-prefill of the accepted tokens), all measured above",
-                 "break-even acceptance (b) vs plain decode: " +
-                 ", ".join(f"k={k}: {break_even(ms, k)}" for k in a.ks),
-                 "(a) est.: per-step state planes instead of snapshot/restore/re-prefill (estimate)"]
+    be = {mech: {k: break_even(ms, k, mech) for k in a.ks} for mech in MECHS}
+    tm.notes += ["tokens per round = (1 - a^(k+1)) / (1 - a); cost per round: planes = draft + verify "
+                 "+ P(partial) keep plane; rerun = draft + mark + verify without planes + P(partial) "
+                 "(rewind + re-prefill of the accepted tokens); all measured above"] + [
+                 f"break-even acceptance vs plain decode, {mech}: " +
+                 ", ".join(f"k={k}: {be[mech][k]}" for k in a.ks) for mech in MECHS]
     tables.append(tm)
     out = {"size": size, "checkpoint": C.short_path(path), "context": P, "ms": ms,
-            "stats": {n: s for n, s in st.items()}, "acceptance_mtp": acc, "end_to_end": e2e,
-            "modeled": curve, "break_even": {k: break_even(ms, k) for k in a.ks},
-            "acceptance_note": "trained MTP layer" if trained else
-            "random weights: MTP drafts are essentially never accepted"}
+           "stats": {n: s for n, s in st.items()}, "acceptance_mtp": acc, "end_to_end": e2e,
+           "modeled": curve, "break_even": be,
+           "acceptance_note": "trained MTP layer" if trained else
+           "random weights: MTP drafts are essentially never accepted"}
     if trained:
         out["trained"] = trained_acceptance(rt, ms, a, tables)
     return out
@@ -292,10 +288,11 @@ def heldout_prompts(rt, n: int, length: int) -> list:
 
 
 def trained_acceptance(rt, ms: dict, a, tables) -> dict:
-    """Per prompt, plain greedy then MTP k = 1..4 back to back (wall clock, after the prompt)."""
+    """Per prompt, plain greedy then MTP k = 1..4 with each mechanism, back to back (wall clock,
+    after the prompt)."""
     import flashrt.speculative as S
     prompts = heldout_prompts(rt, a.prompts, a.context)
-    runs = {"plain": None, **{k: None for k in a.ks}}
+    runs = ["plain"] + [(k, m) for k in a.ks for m in MECHS]
     tot = {name: {"s": 0.0, "tokens": 0, "same": 0, "per_prompt_s": []} for name in runs}
     counts = {k: {"reached_at": [0] * k, "accepted_at": [0] * k, "rounds": 0, "drafted": 0,
                   "accepted": 0} for k in a.ks}
@@ -304,7 +301,10 @@ def trained_acceptance(rt, ms: dict, a, tables) -> dict:
         for name in runs:
             r = rt.fork()
             r.reset()
-            kw = {} if name == "plain" else dict(speculative="mtp", draft_tokens=name)
+            kw = {}
+            if name != "plain":
+                kw = dict(speculative="mtp", draft_tokens=name[0])
+                S.use_mechanism(r, name[1])
             first = r.generate(prompt, max_new_tokens=1, ignore_eos=True, **kw)
             t0 = time.perf_counter()
             out = first + r.generate(max_new_tokens=a.gen, ignore_eos=True, **kw)
@@ -313,9 +313,9 @@ def trained_acceptance(rt, ms: dict, a, tables) -> dict:
             tot[name]["tokens"] += a.gen
             ref = out if name == "plain" else ref
             tot[name]["same"] += out == ref
-            if name != "plain":
+            if name != "plain" and name[1] == "planes":
                 st = S.last_stats(r)
-                c = counts[name]
+                c = counts[name[0]]
                 for key in ("rounds", "drafted", "accepted"):
                     c[key] += st[key]
                 for key in ("reached_at", "accepted_at"):
@@ -325,32 +325,36 @@ def trained_acceptance(rt, ms: dict, a, tables) -> dict:
     t = C.Table(f"qwen3_5/trained: MTP acceptance on {len(prompts)} held-out stdlib prompts "
                 f"({a.context} tokens each, {a.gen} greedy tokens; {a.device}, {a.dtype})",
                 ["k", "accepted / drafted", "per position j=1..k: accepted/reached", "pooled a",
-                 "break-even a", "tok/s plain", "tok/s MTP", "MTP/plain", "median per prompt",
-                 "= plain greedy"])
+                 "break-even a", "tok/s plain", "tok/s planes", "tok/s rerun", "planes/plain",
+                 "rerun/plain", "median per prompt (planes)", "= plain greedy"])
     res = {"prompts": len(prompts), "plain_tok_s": plain_tps, "per_k": {}}
     for k in a.ks:
         c = counts[k]
         pos = [c["accepted_at"][j] / max(1, c["reached_at"][j]) for j in range(k)]
         pooled = sum(c["accepted_at"]) / max(1, sum(c["reached_at"]))
-        tps = tot[k]["tokens"] / tot[k]["s"]
-        be = break_even(ms, k)
-        per = statistics.median(p / m for p, m in zip(tot["plain"]["per_prompt_s"], tot[k]["per_prompt_s"]))
+        tps = {m: tot[(k, m)]["tokens"] / tot[(k, m)]["s"] for m in MECHS}
+        be = {m: break_even(ms, k, m) for m in MECHS}
+        per = statistics.median(p / q for p, q in zip(tot["plain"]["per_prompt_s"],
+                                                      tot[(k, "planes")]["per_prompt_s"]))
         t.add(k, f"{c['accepted'] / max(1, c['drafted']):.3f}",
-              " ".join(f"{p:.2f}" for p in pos), f"{pooled:.3f}", "-" if be is None else f"{be:.2f}",
-              f"{plain_tps:.1f}", f"{tps:.1f}", C.fmt_ratio(tps / plain_tps), C.fmt_ratio(per),
-              f"{tot[k]['same']}/{len(prompts)}")
+              " ".join(f"{p:.2f}" for p in pos), f"{pooled:.3f}",
+              " / ".join("-" if be[m] is None else f"{be[m]:.2f}" for m in MECHS),
+              f"{plain_tps:.1f}", f"{tps['planes']:.1f}", f"{tps['rerun']:.1f}",
+              C.fmt_ratio(tps["planes"] / plain_tps), C.fmt_ratio(tps["rerun"] / plain_tps),
+              C.fmt_ratio(per), " / ".join(f"{tot[(k, m)]['same']}/{len(prompts)}" for m in MECHS))
         res["per_k"][k] = {**c, "acceptance": c["accepted"] / max(1, c["drafted"]),
                            "per_position": pos, "pooled_a": pooled, "break_even_a": be,
-                           "tok_s": tps, "speedup": tps / plain_tps, "speedup_median_prompt": per,
-                           "same_as_plain": tot[k]["same"]}
+                           "tok_s": tps, "speedup": {m: tps[m] / plain_tps for m in MECHS},
+                           "speedup_median_prompt_planes": per,
+                           "same_as_plain": {m: tot[(k, m)]["same"] for m in MECHS}}
     t.notes += ["per position j: P(draft j accepted | drafts 1..j-1 accepted), from "
-                "flashrt.speculative.last_stats; pooled a = all accepted / all reached (the per-token "
-                "rate of the model behind break-even)",
-                "break-even a: smallest per-token acceptance at which the modeled mechanism (b) beats "
-                "plain decode, from this run's step costs (table above); None: never at k",
+                "flashrt.speculative.last_stats (planes runs); pooled a = all accepted / all reached "
+                "(the per-token rate of the model behind break-even)",
+                "break-even a (planes / rerun): smallest per-token acceptance at which the modeled "
+                "mechanism beats plain decode, from this run's step costs (table above); -: never at k",
                 "tok/s: wall clock of generate() after the prompt, summed over prompts; plain and MTP "
                 "runs alternate per prompt; median per prompt: of the per-prompt MTP/plain speed ratios; "
-                "'= plain greedy': identical token lists (near-ties may part)"]
+                "'= plain greedy' (planes / rerun): identical token lists (near-ties may part)"]
     tables.append(t)
     return res
 
@@ -370,11 +374,13 @@ def main(argv=None) -> int:
     print(C.RANDOM_NOTE + " (except qwen3_5/trained: trained here on the Python stdlib)")
     data = {"ks": a.ks, "context": a.context, "gen": a.gen, "repeats": a.repeats,
             "warmup": a.warmup, "rates": list(RATES), "results": results,
-            "mechanism": "(b) fixed-state capsule + restore + re-prefill on partial acceptance"}
+            "mechanisms": {"planes": "the verify keeps the fixed state after each position; one "
+                           "copied back on partial acceptance (default)",
+                           "rerun": "mark the fixed state, rewind, re-run the accepted tokens"}}
     C.write_json("speculative-trained" if a.sizes == ["trained"] else "speculative", a, info, tables,
                  data, argv, script="speculative")
-    ok = all(r["end_to_end"][f"{n} k={k}"]["same_as_plain"] for r in results for k in a.ks
-             for n in ("oracle a=1", "wrong a=0"))
+    ok = all(r["end_to_end"][f"{n} k={k} {m}"]["same_as_plain"] for r in results for k in a.ks
+             for n in ("oracle a=1", "wrong a=0") for m in MECHS)
     return 0 if ok else 1
 
 

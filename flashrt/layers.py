@@ -153,6 +153,9 @@ class StepCtx:
     start: int | None = None         # committed position before the step (eager path)
     static: bool = False             # graph-safe path: no host ints, no data-dependent shapes
     rope: torch.Tensor | None = None  # (T,) or (3, T) rotary positions where they differ (mrope)
+    # fixed buffer name -> (T, *shape): each mixer also writes its state after every position t
+    # into planes[name][t] (speculative verify: Session.state_planes / keep_plane)
+    planes: dict | None = None
 
     @property
     def end(self) -> int:
@@ -314,15 +317,18 @@ def _triton_attention():
 
 
 def depthwise_causal_conv(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor,
-                          bias: torch.Tensor | None = None) -> torch.Tensor:
+                          bias: torch.Tensor | None = None,
+                          planes: torch.Tensor | None = None) -> torch.Tensor:
     """Depthwise causal conv with `state` as left context, advanced in place.
 
     x: (T, C); state: (K-1, C) (a transposed view is fine); weight: (C, K). Returns (T, C) in
     weight's dtype. K shifted multiply-adds: memory-bound, and 4-5x cheaper on CPU than
-    F.conv1d's depthwise path at T=1 and T=512."""
+    F.conv1d's depthwise path at T=1 and T=512. planes (T, K-1, C): the state after each t."""
     T, K = x.shape[0], weight.shape[1]
     xx = torch.cat([state.to(x.dtype), x]).to(weight.dtype)             # (K-1+T, C)
     if K > 1:
+        if planes is not None:       # state after t = inputs t+1 .. t+K-1 of xx
+            planes.copy_(xx[1:].unfold(0, K - 1, 1).transpose(1, 2))
         state.copy_(xx[T:])                                            # the last K-1 inputs
     out = xx[:T] * weight[:, 0]
     for j in range(1, K):

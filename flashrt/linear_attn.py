@@ -45,13 +45,15 @@ def use_fla(fast: bool, dtype: torch.dtype) -> bool:
 
 
 # ---- causal depthwise conv ---------------------------------------------------------------
-def causal_conv(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor, fast: bool = False):
+def causal_conv(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor, fast: bool = False,
+                planes: torch.Tensor | None = None):
     """silu(depthwise causal conv) with `state` as left context; state advanced in place.
 
     x: (T, C); state: (C, K-1); weight: (C, K). Returns (T, C). Chunked prefill == one shot.
+    planes (T, C, K-1): also the state after each position (torch path).
     """
     T = x.shape[0]
-    if fast:
+    if fast and planes is None:
         conv_fn, conv_update = fast_kernels()[1]
         if T == 1:   # kernel shifts state in place: (1, C, K-1)
             return conv_update(x.unsqueeze(-1), state.unsqueeze(0), weight, None, "silu").squeeze(-1)
@@ -61,7 +63,8 @@ def causal_conv(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor, fast
                              activation="silu")
         state.copy_(final[0])
         return out[0].t()
-    return F.silu(depthwise_causal_conv(x, state.t(), weight)).to(x.dtype)   # (T, C)
+    pl = None if planes is None else planes.transpose(1, 2)                 # (T, K-1, C) view
+    return F.silu(depthwise_causal_conv(x, state.t(), weight, None, pl)).to(x.dtype)   # (T, C)
 
 
 # ---- gated delta rule --------------------------------------------------------------------
@@ -126,10 +129,11 @@ def chunk_gated_delta_rule(q, k, v, g, beta, state, chunk: int = 64, fast: bool 
     return out.reshape(H, -1, out.shape[-1])[:, :T].transpose(0, 1).to(dtype)
 
 
-def recurrent_gated_delta_rule(q, k, v, g, beta, state, fast: bool = False):
-    """Decode (any T, one token at a time). Same shapes as chunk_gated_delta_rule."""
+def recurrent_gated_delta_rule(q, k, v, g, beta, state, fast: bool = False, planes=None):
+    """Decode (any T, one token at a time). Same shapes as chunk_gated_delta_rule.
+    planes (T, Hv, Dk, Dv): also the state after each token (torch path)."""
     dtype, T = v.dtype, v.shape[0]
-    if use_fla(fast, dtype):
+    if use_fla(fast, dtype) and planes is None:
         op = fast_kernels()[0][1]
         q, k = _gva(q, k, v)
         o, final = op(q[None], k[None], v[None], g=g[None].float(), beta=beta[None],
@@ -145,6 +149,8 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, state, fast: bool = False):
         delta = (v[:, t, None] - torch.bmm(kt, state)) * beta[:, t, None, None]   # (H, 1, Dv)
         state.baddbmm_(kt.transpose(1, 2), delta)             # S += k delta^T
         out[:, t] = torch.bmm(qt, state)[:, 0]
+        if planes is not None:
+            planes[t].copy_(state)
     return out.transpose(0, 1).to(dtype)
 
 

@@ -31,6 +31,9 @@ class StatefulModel(nn.Module):
     """Base class of every model (language models, policies, speech models)."""
     model_type: str = ""
     fp32_params: tuple = ()             # parameter-name suffixes loaded in float32
+    # forward() honours ctx.planes: with it, every fixed (recurrent/conv) buffer's value after
+    # each position t is also written to ctx.planes[name][t] (needs all_positions=True)
+    state_planes: bool = False
 
     # ---- required ---------------------------------------------------------------------
     def state_specs(self, capacity: int, dtype: torch.dtype) -> list[BufferSpec]:

@@ -126,6 +126,17 @@ def _check_into(into, fingerprint) -> None:
         raise CapsuleMismatchError("snapshot(into=): that capsule was made by another model/layout")
 
 
+def _restore_kinds(kinds) -> frozenset | None:
+    """restore(kinds=): those kinds and meta; refused unless all are capsule kinds."""
+    if kinds is None:
+        return None
+    want = frozenset(kinds) | {"meta"}
+    bad = want - CAPSULE_KINDS
+    if bad:
+        raise ValueError(f"restore(kinds=): unknown or non-capsule kinds {sorted(bad)}")
+    return want
+
+
 @dataclass(frozen=True)
 class Parked:
     """A history taken out of its arena (Session.park): its state and its rollback sources."""
@@ -135,6 +146,25 @@ class Parked:
     @property
     def position(self) -> int:
         return self.capsule.position
+
+
+class StatePlanes:
+    """Every fixed buffer's value after each position of one step: name -> (T, *shape), filled
+    by the model through StepCtx.planes; keep(t) makes it the arena's fixed state (the caller
+    then commits t + 1 positions: KV rows above are rewound by position)."""
+
+    def __init__(self, arena: Arena, specs: list[BufferSpec], T: int):
+        self.arena, self.size = arena, T
+        self.buffers = {sp.name: torch.empty((T, *sp.shape), dtype=sp.dtype, device=arena.device)
+                        for sp in specs}
+
+    def views(self, T: int) -> dict:
+        """The planes of a T-position step (T <= size), as StepCtx.planes."""
+        return {n: b[:T] for n, b in self.buffers.items()}
+
+    def keep(self, t: int) -> None:
+        for name, b in self.buffers.items():
+            self.arena[name].copy_(b[t])
 
 
 class Session:
@@ -278,14 +308,19 @@ class Session:
             return cap
 
     def ancestors(self) -> list[tuple]:
-        """(id, position) of capsules whose rows this session still holds unchanged: what a
-        delta snapshot may reference (see snapshot(parent=))."""
+        """(id, position) of capsules whose rows this session holds unchanged (delta parents)."""
         return [a for a in self._sources.ancestors if a[1] <= self._position]
 
     def mark(self, into: Capsule | None = None) -> Capsule:
         """The fixed state only (KV rows below stay valid by position): to rewind() to."""
         return self.copier.snapshot(self._position, CapsuleMeta(self._position, self.fingerprint, {}),
                                     into=into, fixed_only=True)
+
+    def state_planes(self, T: int) -> "StatePlanes | None":
+        """Buffers for a step that also keeps the fixed state after each of its T positions
+        (StepCtx.planes), or None when the model writes none (StatefulModel.state_planes)."""
+        fixed = [s.spec for s in self.arena.slots if s.spec.kind in _FIXED_KINDS]
+        return StatePlanes(self.arena, fixed, T) if self.net.state_planes or not fixed else None
 
     def rewind(self, mark: Capsule) -> None:
         """Back to a mark() of this history; rng-kind buffers keep their stream."""
@@ -304,12 +339,7 @@ class Session:
         kinds: restore only those (+ meta; an unsafe ablation). on_validated: called after
         validation, before any byte is written (a store claims single-use capsules there)."""
         with self._lock:
-            want = None
-            if kinds is not None:
-                want = frozenset(kinds) | {"meta"}
-                bad = want - CAPSULE_KINDS
-                if bad:
-                    raise ValueError(f"restore(kinds=): unknown or non-capsule kinds {sorted(bad)}")
+            want = _restore_kinds(kinds)
             plan, chain = self.copier.plan_restore(cap, self.fingerprint, self.capacity, want)
             if on_validated is not None:
                 on_validated()

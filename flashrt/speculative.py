@@ -6,13 +6,13 @@ drafts, the main model verifies k+1 tokens in one step, the accepted prefix is c
 One round, from a session at rest at position P (tokens [0, P) committed, the last logits the
 prediction for P) with a pending token x0 (chosen, not yet run through the model):
 1. draft d1..dk (greedy: argmax; sampling: d ~ q under the target's temperature/top-k/top-p);
-2. mark the fixed-size state (Session.mark: one contiguous copy into a reused buffer);
-3. verify [x0, d1..dk] at positions P..P+k in one step (all-position hidden and logits);
-4. accept (flashrt/acceptance.py; uniforms from the arena RNG, so capsules carry the stream);
-5. commit x0, d1..da; on partial acceptance rewind the fixed state (KV is rewound by position)
-   and re-run x0, d1..da; 6. the correction/bonus token becomes the next pending token.
-Why mark + rewind + re-run rather than per-token state planes: it needs nothing from the models
-and works for every one of them; measurements and the trade-off are in bench/README.md.
+2. verify [x0, d1..dk] at positions P..P+k in one step (all-position hidden and logits); the
+   step also keeps every fixed buffer's value after each position (session.StatePlanes);
+3. accept (flashrt/acceptance.py; uniforms from the arena RNG, so capsules carry the stream);
+4. commit x0, d1..da; on partial acceptance the fixed state becomes its plane after d_a (one
+   copy; KV is rewound by position); 5. the correction/bonus token becomes the next pending one.
+A model that writes no planes gets mechanism "rerun": mark the fixed state before the verify,
+rewind to it and re-run x0, d1..da (use_mechanism; costs compared in bench/README.md).
 
 Draft-head rows: row p of the head's KV holds the pair (main hidden at p, token at p+1), so the
 rows of accepted tokens are written once their main hidden states exist, in the next round's
@@ -26,6 +26,8 @@ CUDA: the verify and draft bodies are captured per size (flashrt/graphs.py) on f
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from flashrt.acceptance import accept_test, residual, sample_from, target_probs
@@ -35,6 +37,7 @@ from flashrt.layers import StepCtx
 from flashrt.sampler import sample, uniform, validate
 
 MODES = ("mtp", "draft")
+MECHANISMS = ("planes", "rerun")
 
 
 # ---- steps: eager, static (graph body run eagerly), or captured ---------------------------------
@@ -44,14 +47,26 @@ class EagerSteps:
 
     def __init__(self, net, session):
         self.net, self.session = net, session
+        self.planes = None        # the StatePlanes the last main step filled (None: none)
+        self._planes = None
 
-    def main(self, ids: torch.Tensor, all_logits: bool = True):
+    def planes_for(self, T: int):
+        """StatePlanes of at least T positions (grown once to the largest T), None if the model
+        writes none."""
+        if self._planes is None or self._planes.size < T:
+            self._planes = self.session.state_planes(T)
+        return self._planes
+
+    def main(self, ids: torch.Tensor, all_logits: bool = True, planes: bool = False):
         """Run len(ids) positions at the session's position WITHOUT committing them. Returns
-        (hidden (T, H), float32 logits (T, V), or (1, V) if not all_logits)."""
-        net, a = self.net, self.session.arena
+        (hidden (T, H), float32 logits (T, V), or (1, V) if not all_logits). planes=True: also
+        keep the fixed state after every position in self.planes (StatePlanes.keep)."""
+        net, a, T = self.net, self.session.arena, ids.shape[0]
+        self.planes = self.planes_for(T) if planes else None
+        p = None if self.planes is None else self.planes.views(T)
 
         def body(ctx):
-            out = net({"ids": ids}, ctx, a, all_positions=True)
+            out = net({"ids": ids}, replace(ctx, planes=p), a, all_positions=True)
             return out["hidden"], out["logits"].float() if all_logits else out["logits"][-1:].float()
         return self.session.step(ids.shape[0], body, commit=False)
 
@@ -76,6 +91,8 @@ class SpecSteps(EagerSteps):
         self.m_hid = torch.zeros(self.max_T, net.config.hidden_size, dtype=session.dtype, device=dev)
         self.m_pos = torch.zeros(1, dtype=torch.int64, device=dev)
         self.ids = session.arena["io.ids"]
+        # every main body writes state planes (when the model can): the graphs hold their addresses
+        self.graph_planes = session.state_planes(self.max_T)
         self.graphs = CapturedBodies()
         if capture:
             bodies = {key: (lambda key=key: self.run_body(*key)) for key in self.bodies()}
@@ -92,8 +109,9 @@ class SpecSteps(EagerSteps):
         return self.session.preserving_state(at_scratch, self.max_T)
 
     def _main_body(self, T):
-        out = self.net({"ids": self.ids[:T]}, self.session.static_ctx(T), self.session.arena,
-                       all_positions=True)
+        gp = self.graph_planes
+        ctx = replace(self.session.static_ctx(T), planes=None if gp is None else gp.views(T))
+        out = self.net({"ids": self.ids[:T]}, ctx, self.session.arena, all_positions=True)
         return out["hidden"], out["logits"].float()
 
     def _draft_body(self, T):
@@ -101,10 +119,11 @@ class SpecSteps(EagerSteps):
         return self.net.draft(self.m_tok[:T], self.m_hid[:T], self.session.static_ctx(T, pos),
                               self.session.arena)
 
-    def main(self, ids, all_logits=True):
+    def main(self, ids, all_logits=True, planes=False):
         T = ids.shape[0]
         if T > self.max_T:
-            return super().main(ids, all_logits)
+            return super().main(ids, all_logits, planes)
+        self.planes = self.graph_planes if planes else None
         self.ids[:T].copy_(ids)
         if ("main", T) in self.graphs:
             h, logits = self.graphs.replay(("main", T))
@@ -122,6 +141,9 @@ class SpecSteps(EagerSteps):
             logits, h = self.graphs.replay(("draft", T))
             return logits.clone(), h.clone()
         return self._draft_body(T)
+
+    def planes_for(self, T):
+        return self.graph_planes if T <= self.max_T else super().planes_for(T)
 
     def serves(self, k: int) -> bool:
         """Whether these bodies cover a round of k drafts (k + 1 verify positions, capped as
@@ -149,6 +171,15 @@ class Speculator:
         self.mark = None
         self.pending = None
         self.stats: dict = {}
+        self.mechanism = "planes"
+
+    def use_mechanism(self, name: str) -> None:
+        """How a partial acceptance rewinds the fixed state: "planes" (the verify also keeps the
+        state after each position; the accepted one is copied back) or "rerun" (mark, rewind,
+        re-run the accepted tokens). "planes" falls back to "rerun" where the model writes none."""
+        if name not in MECHANISMS:
+            raise ValueError(f"mechanism {name!r}: use one of {MECHANISMS}")
+        self.mechanism = name
 
     def use_static_steps(self, max_T: int, capture: bool = False) -> SpecSteps:
         """Run the graph-safe bodies (capture=False: eagerly, as CPU tests check them)."""
@@ -186,10 +217,15 @@ def use_static_steps(rt, max_T: int, capture: bool = False) -> SpecSteps:
     return rt.speculation().use_static_steps(max_T, capture)
 
 
+def use_mechanism(rt, name: str) -> None:
+    rt.speculation().use_mechanism(name)
+
+
 def last_stats(rt) -> dict | None:
     """Counters of the session's last speculative generate call (None before any): rounds,
-    drafted, accepted, reprefills, and per draft position j reached_at[j] (draft j verified
-    with drafts < j all accepted) and accepted_at[j]: position j's conditional acceptance."""
+    drafted, accepted, partial rounds rewound by a plane copy (plane_rewinds) or by a re-run
+    (reprefills), and per draft position j reached_at[j] (draft j verified with drafts < j all
+    accepted) and accepted_at[j]: position j's conditional acceptance."""
     s = rt.speculation().stats
     return {k: list(v) if isinstance(v, list) else v for k, v in s.items()} if s else None
 
@@ -239,13 +275,14 @@ class _Generation:
         self.greedy = temperature == 0.0
         self.hidden_name = getattr(rt.net, "draft_hidden", None) if rt.net.has_draft_head else None
         self.steps = spec.steps_for(k)
+        self.planes = spec.mechanism == "planes" and self.steps.planes_for(k + 1) is not None
         self.dev = rt.model.device
         # draft-head backlog: main hidden states at rows r0.. and the tokens after them
         self.bl_h: list[torch.Tensor] = []
         self.bl_t: list[int] = []
         self.bl_r0 = 0
         # per draft position j: rounds that verified draft j after accepting 0..j-1, and accepted it
-        self.stats = {"rounds": 0, "drafted": 0, "accepted": 0, "reprefills": 0,
+        self.stats = {"rounds": 0, "drafted": 0, "accepted": 0, "plane_rewinds": 0, "reprefills": 0,
                       "reached_at": [0] * k, "accepted_at": [0] * k}
 
     # -- helpers ---------------------------------------------------------------------------
@@ -372,18 +409,23 @@ class _Generation:
                 sample(L[0], self.a["sampler.rng"], self.temp, self.top_k, self.top_p))
             n = 1
         else:
-            self.spec.mark = mark = rt.session.mark(into=self.spec.mark)
-            H, L = self.steps.main(self._t(toks))
+            if not self.planes:
+                self.spec.mark = mark = rt.session.mark(into=self.spec.mark)
+            H, L = self.steps.main(self._t(toks), planes=self.planes)
             n_acc, y = self._accept(L, drafts, q)
             n = n_acc + 1
             stop_at = next((i for i, t in enumerate(toks[:n]) if t in stops), None)
             if stop_at is not None:
                 n = stop_at + 1
-            if n < len(toks):                # partial: rewind the fixed state, re-run
+            if n < len(toks) and self.planes:    # partial: the fixed state after position n-1
+                self.steps.planes.keep(n - 1)
+                L = L[:n]
+                self.stats["plane_rewinds"] += 1
+            elif n < len(toks):                  # partial: rewind the fixed state, re-run
                 rt.session.rewind(mark)
                 H, L = self.steps.main(self._t(toks[:n]), all_logits=False)
                 self.stats["reprefills"] += 1
-            rt.commit_tokens(self._t(toks[:n]), L[-1])   # verify: L has n rows; re-run: the last
+            rt.commit_tokens(self._t(toks[:n]), L[-1])   # L's last row: the prediction for P+n
             self.stats["drafted"] += len(drafts)
             self.stats["accepted"] += n_acc
             for j in range(min(n_acc + 1, len(drafts))):

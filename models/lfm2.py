@@ -122,7 +122,8 @@ class ShortConv(nn.Module):
         bcx = self.in_proj(x)                                    # (T, 3h): B | C | x
         B, C, xs = bcx[:, :h], bcx[:, h: 2 * h], bcx[:, 2 * h:]
         y = depthwise_causal_conv(B * xs, state[self.state_name], self.conv.weight[:, 0],
-                                  self.conv.bias)                # state: (L-1, h) left context
+                                  self.conv.bias,                # state: (L-1, h) left context
+                                  (ctx.planes or {}).get(self.state_name))
         return self.out_proj(C * y)                              # (T, hidden)
 
 
@@ -149,6 +150,7 @@ class Block(nn.Module):
 # ---- model --------------------------------------------------------------------------------
 class Model(CausalLM):
     model_type = "lfm2"
+    state_planes = True
 
     def __init__(self, c: Lfm2Config):
         super().__init__()

@@ -168,16 +168,19 @@ class GatedDeltaNet(nn.Module):
         self.fast_rule, self.fast_conv = fla is not None, conv is not None
 
     def forward(self, x, ctx: StepCtx, state):
-        T = x.shape[0]                                           # x: (T, hidden)
+        T, planes = x.shape[0], ctx.planes or {}                 # x: (T, hidden)
         qkv = causal_conv(self.in_proj_qkv(x), state[self.conv_name], self.conv1d.weight[:, 0],
-                          self.fast_conv)                        # (T, conv_dim)
+                          self.fast_conv, planes.get(self.conv_name))   # (T, conv_dim)
         q, k, v = qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q, k = q.reshape(T, self.hk, self.dk), k.reshape(T, self.hk, self.dk)
         v = v.reshape(T, self.hv, self.dv)
         beta = self.in_proj_b(x).sigmoid()                       # (T, hv)
         g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
-        rule = recurrent_gated_delta_rule if T == 1 else chunk_gated_delta_rule
-        o = rule(q, k, v, g, beta, state[self.rec_name], fast=self.fast_rule)  # (T, hv, dv)
+        rec = state[self.rec_name]
+        if T == 1 or self.rec_name in planes:     # per token: the state after each one exists
+            o = recurrent_gated_delta_rule(q, k, v, g, beta, rec, self.fast_rule, planes.get(self.rec_name))
+        else:
+            o = chunk_gated_delta_rule(q, k, v, g, beta, rec, fast=self.fast_rule)   # (T, hv, dv)
         z = self.in_proj_z(x).view(T, self.hv, self.dv)
         o = (self.norm(o) * F.silu(z.float())).to(x.dtype)      # norm(o) * silu(z), fp32 gate
         return self.out_proj(o.reshape(T, self.value_dim))
@@ -224,6 +227,7 @@ class Model(CausalLM):
     model_type = "qwen3_5"
     fp32_params = ("linear_attn.A_log", "linear_attn.dt_bias")
     draft_hidden = "mtp.hidden"     # the buffer the draft head drafts from
+    state_planes = True
 
     def __init__(self, c: Qwen3_5Config):
         super().__init__()
@@ -277,10 +281,12 @@ class Model(CausalLM):
         cos, sin = self.rotary(ctx.rope if ctx.rope is not None else ctx.positions, x.dtype)
         for layer in self.layers:
             x = layer(x, ctx, state, cos, sin)
-        x = self.norm(x if all_positions else x[-1:])
+        x = self.norm(x if all_positions or ctx.planes is not None else x[-1:])
         if self.has_mtp:
             state["mtp.hidden"].copy_(x[-1])
-        return x
+            if ctx.planes is not None:
+                ctx.planes["mtp.hidden"].copy_(x)
+        return x if all_positions else x[-1:]
 
     # ---- the MTP layer as the draft head -------------------------------------------------
     @property

@@ -106,3 +106,8 @@ def test_speculative_bench_quick(tmp_path):
     for res in results:
         runs = {k: v for k, v in res["end_to_end"].items() if k != "plain"}
         assert runs and all(v["same_as_plain"] for v in runs.values()), res["size"]
+        # the oracle never misses, the wrong drafter always does: each mechanism rewound its way
+        for k in (1, 2, 3, 4):
+            assert runs[f"wrong a=0 k={k} planes"]["stats"]["plane_rewinds"] > 0
+            assert runs[f"wrong a=0 k={k} rerun"]["stats"]["reprefills"] > 0
+            assert runs[f"wrong a=0 k={k} planes"]["stats"]["reprefills"] == 0

@@ -27,6 +27,22 @@ def _kw(layout):
     return {"ckpt_kw": {"layout": "text"}} if layout == "text" else {}
 
 
+MECHANISMS = ["planes", "rerun"]
+
+
+def _spec_rt(runtime, arch, mechanism, **kw):
+    rt = runtime(arch, **kw)
+    spec.use_mechanism(rt, mechanism)
+    return rt
+
+
+def _rewinds(rt, mechanism):
+    """Partial rounds of the last call, and those rewound the other way (must be 0)."""
+    st = rt.speculation().stats
+    mine, other = ("plane_rewinds", "reprefills") if mechanism == "planes" else ("reprefills", "plane_rewinds")
+    return st[mine], st[other]
+
+
 def _plain(rt, prompt, n):
     """Plain greedy decode: (tokens, the logits each token was chosen from (n, V))."""
     logits, toks, steps = rt.prefill(prompt), [], []
@@ -211,14 +227,16 @@ def _oracle(prompt, ref, err_at=None, calls=None):
     return drafter
 
 
+@pytest.mark.parametrize("mechanism", MECHANISMS)
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_every_accepted_length(layout, runtime, plain_ref):
+def test_every_accepted_length(layout, mechanism, runtime, plain_ref):
     """k=4, drafts wrong first at position j = 0..3, or never (oracle): every round accepts
-    exactly min(j, k) drafts, output stays plain greedy, and the committed state is right."""
+    exactly min(j, k) drafts, output stays plain greedy, and the committed state is right,
+    whether partial rounds keep the verify's state plane or re-run the accepted tokens."""
     prompt, ref_toks, ref_logits = plain_ref(layout)
     k = 4
     for err_at in [0, 1, 2, 3, None]:
-        rt, calls = runtime(ARCH, **_kw(layout)), []
+        rt, calls = _spec_rt(runtime, ARCH, mechanism, **_kw(layout)), []
         out = rt.generate(prompt, max_new_tokens=N, ignore_eos=True, speculative="mtp",
                           draft_tokens=k, drafter=_oracle(prompt, ref_toks, err_at, calls))
         assert rt.tokens == prompt + out and len(out) == N
@@ -228,13 +246,18 @@ def test_every_accepted_length(layout, runtime, plain_ref):
         st = rt.speculation().stats
         want = sum(c if err_at is None else min(err_at, c) for c in calls)
         assert st["accepted"] == want, (err_at, st, calls)
+        mine, other = _rewinds(rt, mechanism)
+        assert other == 0
         if err_at is None:
-            assert st["reprefills"] == 0 and st["rounds"] <= -(-N // (k + 1)) + 1
+            assert mine == 0 and st["rounds"] <= -(-N // (k + 1)) + 1
+        else:
+            assert mine > 0
         _check_state(rt, runtime(ARCH, **_kw(layout)))
 
 
+@pytest.mark.parametrize("mechanism", MECHANISMS)
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_mtp_rows_after_accepted_mtp_drafts(layout, runtime, plain_ref):
+def test_mtp_rows_after_accepted_mtp_drafts(layout, mechanism, runtime, plain_ref):
     """Random MTP weights almost never agree with the main model, so the MTP drafter's own
     tokens are replaced by the plain greedy ones (first wrong at j): the MTP still runs every
     draft step (chained hidden states, KV rows past the committed position, the batched backlog
@@ -258,7 +281,7 @@ def test_mtp_rows_after_accepted_mtp_drafts(layout, runtime, plain_ref):
             return orig(self, x0, kk)
         spec._Generation._draft_head = draft
         try:
-            rt = runtime(ARCH, **_kw(layout))
+            rt = _spec_rt(runtime, ARCH, mechanism, **_kw(layout))
             out = rt.generate(prompt, max_new_tokens=N, ignore_eos=True, speculative="mtp",
                               draft_tokens=k)
         finally:
@@ -303,7 +326,8 @@ def test_mtp_drafts_are_the_chained_mtp_steps(runtime):
             tok = int(logits[-1].argmax())
 
 
-def test_rng_stream_advances_by_the_draws_made(runtime, monkeypatch):
+@pytest.mark.parametrize("mechanism", MECHANISMS)
+def test_rng_stream_advances_by_the_draws_made(mechanism, runtime, monkeypatch):
     """Sampled rounds that reject: the arena RNG counter counts every draw (draft sampling,
     acceptance tests, residual/bonus samples) - the fixed-state restore must not rewind it."""
     draws = [0]
@@ -318,27 +342,110 @@ def test_rng_stream_advances_by_the_draws_made(runtime, monkeypatch):
         return real_sample(*a, **kw)
     monkeypatch.setattr(spec, "uniform", u)
     monkeypatch.setattr(spec, "sample", smp)
-    rt = runtime(ARCH)
+    rt = _spec_rt(runtime, ARCH, mechanism)
     rt.generate(_ids(PROMPT, seed=9), max_new_tokens=12, temperature=1.0, seed=4, ignore_eos=True,
                 speculative="mtp", draft_tokens=3)
-    assert rt.speculation().stats["reprefills"] > 0
+    assert _rewinds(rt, mechanism)[0] > 0
     assert int(rt.arena["sampler.rng"][1]) == draws[0]
 
 
+@pytest.mark.parametrize("mechanism", MECHANISMS)
 @pytest.mark.parametrize("arch", ["qwen3", "lfm2"])
-def test_injected_drafter_on_models_without_mtp(arch, runtime):
+def test_injected_drafter_on_models_without_mtp(arch, mechanism, runtime):
     """speculative='draft' works for attention-only (qwen3) and short-conv (lfm2) models."""
     ref_rt = runtime(arch)
     prompt = _ids(PROMPT, seed=5)
     ref_toks, ref_logits = _plain(ref_rt, prompt, N)
     for err_at in (1, None):
-        rt = runtime(arch)
+        rt = _spec_rt(runtime, arch, mechanism)
         out = rt.generate(prompt, max_new_tokens=N, ignore_eos=True, speculative="draft",
                           draft_tokens=3, drafter=_oracle(prompt, ref_toks, err_at))
         assert rt.tokens == prompt + out
         if _first_divergence(out, ref_toks, ref_logits) is None:
             assert out == ref_toks
         _check_state(rt, runtime(arch))
+
+
+# ---- state planes ----------------------------------------------------------------------------
+def test_rule_and_conv_planes_are_the_states_after_each_position():
+    """planes[t] is bitwise the state the same path leaves after positions [0, t]: the per-token
+    gated delta rule, and both conv layouts (GDN (C, K-1), LFM2's (K-1, C))."""
+    from flashrt.layers import depthwise_causal_conv
+    from flashrt.linear_attn import causal_conv, recurrent_gated_delta_rule
+    g = torch.Generator().manual_seed(3)
+    T, Hk, Hv, D, C, K = 5, 2, 4, 8, 6, 4
+    q, k = torch.randn(T, Hk, D, generator=g), torch.randn(T, Hk, D, generator=g)
+    v = torch.randn(T, Hv, D, generator=g)
+    beta, gl = torch.rand(T, Hv, generator=g), -torch.rand(T, Hv, generator=g)
+    s0 = torch.randn(Hv, D, D, generator=g)
+    st, planes = s0.clone(), torch.full((T, Hv, D, D), float("nan"))
+    recurrent_gated_delta_rule(q, k, v, gl, beta, st, planes=planes)
+    assert torch.equal(planes[-1], st)
+    x, w, c0 = torch.randn(T, C, generator=g), torch.randn(C, K, generator=g), torch.randn(C, K - 1, generator=g)
+    c, cpl = c0.clone(), torch.full((T, C, K - 1), float("nan"))
+    causal_conv(x, c, w, planes=cpl)
+    l0 = c0.t().contiguous()
+    ls, lpl = l0.clone(), torch.full((T, K - 1, C), float("nan"))
+    depthwise_causal_conv(x, ls, w, planes=lpl)
+    for t in range(T):
+        ref = s0.clone()
+        recurrent_gated_delta_rule(q[: t + 1], k[: t + 1], v[: t + 1], gl[: t + 1], beta[: t + 1], ref)
+        assert torch.equal(planes[t], ref), t
+        ref = c0.clone()
+        causal_conv(x[: t + 1], ref, w)
+        assert torch.equal(cpl[t], ref), t
+        ref = l0.clone()
+        depthwise_causal_conv(x[: t + 1], ref, w)
+        assert torch.equal(lpl[t], ref), t
+
+
+@pytest.mark.parametrize("arch,layout", [("qwen3_5", "multimodal"), ("qwen3_5", "text"),
+                                         ("lfm2", "text"), ("qwen3", "text")])
+def test_verify_planes_cover_the_fixed_state(arch, layout, runtime):
+    """A 5-position verify with planes writes every fixed buffer's plane (NaN-filled before),
+    its last plane is the state the step left, and keeping plane t leaves the state a 5-position
+    verify of t+1 tokens leaves (1e-5: the projections see 5 rows vs t+1). Attention-only
+    models have no plane to keep."""
+    kw = _kw(layout) if arch == ARCH else {}
+    rt = runtime(arch, **kw)
+    rt.prefill(_ids(PROMPT, seed=13))
+    sess, steps = rt.session, spec.EagerSteps(rt.net, rt.session)
+    fixed = [s.name for s in rt.arena.slots if s.spec.kind in ("recurrent", "conv")]
+    toks = torch.tensor(_ids(5, seed=14))
+    mark = sess.mark()
+    planes = steps.planes_for(5)
+    assert sorted(planes.buffers) == sorted(fixed) and (arch != "qwen3" or fixed == [])
+    for t in range(5):
+        sess.rewind(mark)
+        for b in planes.buffers.values():
+            b.fill_(float("nan"))
+        steps.main(toks, planes=True)
+        assert steps.planes is planes
+        end = {n: rt.arena[n].clone() for n in fixed}
+        for n in fixed:
+            assert not planes.buffers[n].isnan().any(), f"{n}: a plane was not written"
+            assert torch.equal(planes.buffers[n][-1], end[n]), n
+        planes.keep(t)
+        kept = {n: rt.arena[n].clone() for n in fixed}
+        sess.rewind(mark)
+        steps.main(toks[: t + 1], planes=True)
+        for n in fixed:
+            d = (kept[n].float() - rt.arena[n].float()).abs().max()
+            assert d <= 1e-5, f"{n}: plane {t} differs from a {t + 1}-token step by {d:.3g}"
+    assert rt.position == PROMPT
+
+
+def test_model_without_planes_falls_back_to_rerun(runtime, monkeypatch):
+    """A model that does not declare state_planes gets the mark/rewind/re-run mechanism."""
+    rt = runtime(ARCH)
+    monkeypatch.setattr(type(rt.net), "state_planes", False)
+    assert rt.session.state_planes(3) is None
+    rt.generate(_ids(PROMPT, seed=15), max_new_tokens=8, ignore_eos=True, speculative="mtp",
+                draft_tokens=2)
+    st = rt.speculation().stats
+    assert st["plane_rewinds"] == 0 and st["reprefills"] > 0
+    with pytest.raises(ValueError, match="mechanism 'both'"):
+        spec.use_mechanism(rt, "both")
 
 
 # ---- stops, budgets, limits -----------------------------------------------------------------
@@ -428,17 +535,19 @@ def test_sampled_injected_drafter_with_probabilities(runtime):
 
 
 # ---- graph-safe bodies, refusals ----------------------------------------------------------------
-def test_static_bodies_match_eager(runtime, plain_ref):
+@pytest.mark.parametrize("mechanism", MECHANISMS)
+def test_static_bodies_match_eager(mechanism, runtime, plain_ref):
     """The bodies SpecSteps captures on CUDA (device positions, full-capacity masked attention),
     run eagerly over NaN-filled stale rows, give plain greedy output and the right state."""
     prompt, ref_toks, ref_logits = plain_ref("multimodal")
-    rt = runtime(ARCH)
+    rt = _spec_rt(runtime, ARCH, mechanism)
     for s in rt.arena.slots:
         if s.spec.seq_dim == 0 and rt.arena[s.name].is_floating_point():
             rt.arena[s.name].fill_(float("nan"))
     steps = spec.use_static_steps(rt, max_T=4)
     out = rt.generate(prompt, max_new_tokens=16, ignore_eos=True, speculative="mtp", draft_tokens=3)
     assert rt.speculation().steps is steps
+    assert _rewinds(rt, mechanism)[0] > 0          # random MTP weights: partial rounds
     _first_divergence(out, ref_toks, ref_logits)
     _check_state(rt, runtime(ARCH))
 
