@@ -81,6 +81,36 @@ def test_worker_call_and_queued_request_share_the_last_session(one):
     assert httpx.get(one.url + "/health", timeout=10).json() == {"status": "ok"}
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_worker_death_fails_the_work_it_had_taken(tiny):
+    """The worker dies while admitting a request, after it gave a session to a queued call in
+    the same round: the call's future and the request both fail (503) instead of hanging."""
+    import flashrt
+    from flashrt.serve.engine import Engine, Job
+    from flashrt.serve.protocol import APIError
+    eng = Engine(lambda: flashrt.load(tiny, max_seq_len=64), budget_bytes=0, max_sessions=3)
+    gate, events = threading.Event(), []
+    try:
+        first = eng.call(lambda rt: gate.wait(30))           # holds one session, and the worker
+        deadline = time.monotonic() + 10
+        while len(eng.free) != 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        taken = eng.call(lambda rt: "ran")                   # gets a session in the next round
+        # a prompt that is not a token list: admission raises, the worker dies there
+        eng.submit(Job("cmpl-bad", None, 1, 4, 0.0, 1.0, None, [], events.append))
+        gate.set()
+        assert first.result(timeout=10) is True
+        with pytest.raises(APIError, match="engine worker died: TypeError"):
+            taken.result(timeout=10)
+        assert [e[0] for e in events] == ["error"] and events[0][1].status == 503
+        with pytest.raises(APIError) as e:
+            eng.call(lambda rt: None)
+        assert e.value.status == 503
+    finally:
+        gate.set()
+        eng.close()
+
+
 def test_abandoned_non_streaming_request_frees_its_session(one):
     """A client that gives up on a long non-streaming session turn: the turn is cut (nothing
     was delivered, so nothing is kept) and the session freed, though tokens kept coming (the

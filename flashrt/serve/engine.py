@@ -75,6 +75,7 @@ class Engine:
         self._active: list = []
         self._jobs: OrderedDict = OrderedDict()       # id -> Job, active and recent
         self._calls: deque = deque()                  # (fn(rt), Future) run on a free session
+        self._taken: list = []                        # calls given a session this round, not yet run
         self._cv = threading.Condition()
         self._stop = self._closed = False
         self.error: str | None = None
@@ -194,12 +195,15 @@ class Engine:
                         self._cv.wait()
                     if self._stop:
                         return
-                    calls = []         # each call takes its session now: admission cannot
+                    # each call takes its session now (admission cannot), kept where a
+                    # dying worker's _fail_all finds it until it has run
+                    calls = self._taken = []
                     while self._calls and self.free:
                         calls.append((*self._calls.popleft(), self.free.pop()))
                     admitted = self._admit()
                 for fn, fut, rt in calls:
                     self._run_call(fn, fut, rt)
+                self._taken = []
                 for job in admitted:
                     self._guard(job, self.turns.prefill)
                 for job in list(self._active):
@@ -217,7 +221,8 @@ class Engine:
         err = APIError(503, f"engine unavailable: {self.error}", type="server_error",
                        headers={"Retry-After": "5"})
         with self._cv:
-            jobs, calls = list(self._waiting) + list(self._active), list(self._calls)
+            jobs = list(self._waiting) + list(self._active)
+            calls = [(fn, fut) for fn, fut, _ in self._taken] + list(self._calls)
             self._waiting.clear()
             self._active.clear()
             self._calls.clear()
@@ -228,7 +233,8 @@ class Engine:
                 job.session.end_turn(None)
             job.finished.set()
         for _, fut in calls:
-            fut.set_exception(err)
+            if not fut.done():          # one taken this round may have run before the death
+                fut.set_exception(err)
 
     def _run_call(self, fn, fut, rt) -> None:
         try:
@@ -242,8 +248,9 @@ class Engine:
     def _admit(self) -> list:
         out = []
         while self._waiting and len(self.free) >= self._waiting[0].n:
-            job = self._waiting.popleft()
+            job = self._waiting[0]          # left queued until it has sessions (_fail_all)
             rts = self._pick(job.prompt, job.n)
+            self._waiting.popleft()
             for c, rt in zip(job.choices, rts):
                 c.rt = rt
             job.phase = "running"
