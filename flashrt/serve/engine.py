@@ -260,15 +260,7 @@ class Engine:
 
     def _pick(self, prompt: list, n: int) -> list:
         """Free sessions, the one whose own history shares the longest prefix first."""
-        def shared(rt):
-            t = rt.tokens
-            k = 0
-            for a, b in zip(t, prompt):
-                if a != b:
-                    break
-                k += 1
-            return k
-        best = sorted(self.free, key=shared, reverse=True)[:n]
+        best = sorted(self.free, key=lambda rt: _shared_prefix(rt.tokens, prompt), reverse=True)[:n]
         for rt in best:
             self.free.remove(rt)
         return best
@@ -313,6 +305,16 @@ class Engine:
         with self._cv:
             while len(self._jobs) > _RECENT and next(iter(self._jobs.values())).phase == "done":
                 self._jobs.popitem(last=False)
+
+
+def _shared_prefix(a: list, b: list) -> int:
+    k = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        k += 1
+    return k
+
 
 def new_seed() -> int:
     return secrets.randbits(62)
