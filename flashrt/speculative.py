@@ -26,139 +26,18 @@ CUDA: the verify and draft bodies are captured per size (flashrt/graphs.py) on f
 """
 from __future__ import annotations
 
-from dataclasses import replace
-
 import torch
 
 from flashrt.acceptance import accept_test, residual, sample_from, target_probs
-from flashrt.graphs import CapturedBodies
 from flashrt.inputs import token_ids
-from flashrt.layers import StepCtx
 from flashrt.sampler import sample, uniform, validate
+from flashrt.speculative_steps import EagerSteps, SpecSteps
+
+__all__ = ["EagerSteps", "SpecSteps", "Speculator", "generate", "use_static_steps", "use_mechanism",
+           "last_stats", "pending_token", "check_request"]
 
 MODES = ("mtp", "draft")
 MECHANISMS = ("planes", "rerun")
-
-
-# ---- steps: eager, static (graph body run eagerly), or captured ---------------------------------
-class EagerSteps:
-    """Main all-position step (not committed) and draft-head step, eager (host positions), over
-    a session's arena: its caller holds the arena (forks sharing it take turns: slots.py)."""
-
-    def __init__(self, net, session):
-        self.net, self.session = net, session
-        self.planes = None        # the StatePlanes the last main step filled (None: none)
-        self._planes = None
-
-    def planes_for(self, T: int):
-        """StatePlanes of at least T positions (grown once to the largest T), None if the model
-        writes none."""
-        if self._planes is None or self._planes.size < T:
-            self._planes = self.session.state_planes(T)
-        return self._planes
-
-    def main(self, ids: torch.Tensor, all_logits: bool = True, planes: bool = False):
-        """Run len(ids) positions at the session's position WITHOUT committing them. Returns
-        (hidden (T, H), float32 logits (T, V), or (1, V) if not all_logits). planes=True: also
-        keep the fixed state after every position in self.planes (StatePlanes.keep)."""
-        net, a, T = self.net, self.session.arena, ids.shape[0]
-        self.planes = self.planes_for(T) if planes else None
-        p = None if self.planes is None else self.planes.views(T)
-
-        def body(ctx):
-            out = net({"ids": ids}, replace(ctx, planes=p), a, all_positions=True)
-            return out["hidden"], out["logits"].float() if all_logits else out["logits"][-1:].float()
-        return self.session.step(ids.shape[0], body, commit=False)
-
-    def draft(self, tokens: torch.Tensor, hidden: torch.Tensor, row0: int):
-        """Draft head over pairs at rows row0.. (writes its rows there). (logits, hidden)."""
-        T = tokens.shape[0]
-        ctx = StepCtx(T, torch.arange(row0, row0 + T, device=tokens.device), start=row0)
-        return self.net.draft(tokens, hidden, ctx, self.session.arena)
-
-
-class SpecSteps(EagerSteps):
-    """Graph-safe bodies (positions on device, full-capacity masked attention) for T <= max_T;
-    capture=True (CUDA) records one graph per size and kind, capture=False runs the same
-    bodies eagerly (how the CPU tests check them). Larger sizes fall back to eager. The bodies
-    read only the arena and these buffers: forks sharing the arena share one set (steps_for)."""
-
-    def __init__(self, net, session, max_T: int, capture: bool):
-        super().__init__(net, session)
-        dev = session.device
-        self.max_T = min(max_T, session.options.max_step)
-        self.m_tok = torch.zeros(self.max_T, dtype=torch.int64, device=dev)
-        self.m_hid = torch.zeros(self.max_T, net.config.hidden_size, dtype=session.dtype, device=dev)
-        self.m_pos = torch.zeros(1, dtype=torch.int64, device=dev)
-        self.ids = session.arena["io.ids"]
-        # every main body writes state planes (when the model can): the graphs hold their addresses
-        self.graph_planes = session.state_planes(self.max_T)
-        self.graphs = CapturedBodies()
-        if capture:
-            bodies = {key: (lambda key=key: self.run_body(*key)) for key in self.bodies()}
-            self.graphs.capture(bodies, self.preserving_state)
-
-    def preserving_state(self, fn):
-        """Warm-up/capture runs the bodies for real: at the session's scratch window (the draft
-        bodies too), with the state put back afterwards."""
-        a = self.session.arena
-
-        def at_scratch():
-            self.m_pos.copy_(a["meta.position"])
-            return fn()
-        return self.session.preserving_state(at_scratch, self.max_T)
-
-    def _main_body(self, T):
-        gp = self.graph_planes
-        ctx = replace(self.session.static_ctx(T), planes=None if gp is None else gp.views(T))
-        out = self.net({"ids": self.ids[:T]}, ctx, self.session.arena, all_positions=True)
-        return out["hidden"], out["logits"].float()
-
-    def _draft_body(self, T):
-        pos = self.m_pos + torch.arange(T, device=self.m_pos.device)
-        return self.net.draft(self.m_tok[:T], self.m_hid[:T], self.session.static_ctx(T, pos),
-                              self.session.arena)
-
-    def main(self, ids, all_logits=True, planes=False):
-        T = ids.shape[0]
-        if T > self.max_T:
-            return super().main(ids, all_logits, planes)
-        self.planes = self.graph_planes if planes else None
-        self.ids[:T].copy_(ids)
-        if ("main", T) in self.graphs:
-            h, logits = self.graphs.replay(("main", T))
-            return h.clone(), logits.clone()
-        return self._main_body(T)
-
-    def draft(self, tokens, hidden, row0):
-        T = tokens.shape[0]
-        if T > self.max_T:
-            return super().draft(tokens, hidden, row0)
-        self.m_tok[:T].copy_(tokens)
-        self.m_hid[:T].copy_(hidden)
-        self.m_pos.fill_(row0)
-        if ("draft", T) in self.graphs:
-            logits, h = self.graphs.replay(("draft", T))
-            return logits.clone(), h.clone()
-        return self._draft_body(T)
-
-    def planes_for(self, T):
-        return self.graph_planes if T <= self.max_T else super().planes_for(T)
-
-    def serves(self, k: int) -> bool:
-        """Whether these bodies cover a round of k drafts (k + 1 verify positions, capped as
-        in __init__: longer rounds run eagerly past the cap)."""
-        return self.max_T >= min(k + 1, self.session.options.max_step)
-
-    def bodies(self) -> list:
-        """(kind, T) of every body this object captures, smallest first per kind."""
-        out = [("main", T) for T in range(1, self.max_T + 1)]
-        if self.net.has_draft_head:
-            out += [("draft", T) for T in range(1, self.max_T + 1)]
-        return out
-
-    def run_body(self, kind: str, T: int):
-        return self._main_body(T) if kind == "main" else self._draft_body(T)
 
 
 class Speculator:
@@ -208,9 +87,22 @@ class Speculator:
         validate(temperature, top_k, top_p)
         g = _Generation(self, draft_tokens, drafter, temperature, top_k, top_p)
         stops = self.rt.start_generation(ids, seed, stop, ignore_eos, g.prefill)
-        out = g.run(max_new_tokens, stops)
-        self.stats = dict(g.stats)
-        return out
+        return g.run(max_new_tokens, stops)
+
+    def decoder(self, draft_tokens: int = 2, temperature: float = 0.0, top_k: int = 0,
+                top_p: float = 1.0, drafter=None) -> "_Generation":
+        """Speculative decoding a round at a time, for a caller that interleaves sessions and
+        holds this one's lock while it uses it (flashrt serve): first(), then next(room,
+        stops) per round, then close(). Every token they return is chosen; all but the
+        pending last one are committed."""
+        check_request(self.rt, "draft" if drafter is not None else "mtp", draft_tokens, drafter)
+        validate(temperature, top_k, top_p)
+        return _Generation(self, draft_tokens, drafter, temperature, top_k, top_p)
+
+    def prefill(self, ids) -> None:
+        """Append ids and write the draft head's rows for their pairs (and the pair that joins
+        them to the history), so drafting after them sees the whole context."""
+        _Generation(self, 1, None, 0.0, 0, 1.0).prefill(ids)
 
 
 def use_static_steps(rt, max_T: int, capture: bool = False) -> SpecSteps:
@@ -277,6 +169,7 @@ class _Generation:
         self.steps = spec.steps_for(k)
         self.planes = spec.mechanism == "planes" and self.steps.planes_for(k + 1) is not None
         self.dev = rt.model.device
+        self.pending = None          # the chosen token the next round starts from
         # draft-head backlog: main hidden states at rows r0.. and the tokens after them
         self.bl_h: list[torch.Tensor] = []
         self.bl_t: list[int] = []
@@ -449,41 +342,55 @@ class _Generation:
             self._draft(self._t(self.bl_t[:m]), torch.cat(self.bl_h)[:m], self.bl_r0)
         self.bl_h, self.bl_t = [], []
 
-    def run(self, max_new: int, stops) -> list[int]:
-        rt, out = self.rt, []
-        rt.finish_reason = "length"
-        if max_new <= 0:
-            return out
+    # -- one token, one round, the end: a generate call, or a server interleaving sessions ---
+    def first(self) -> int | None:
+        """The first token, chosen from the last logits (pending: not yet committed); None at
+        max_seq_len."""
+        rt = self.rt
         if rt.position >= rt.max_seq_len:
             rt.finish_reason = "max_seq_len"
-            return out
+            return None
         x0 = int(sample(self.a["meta.logits"], self.a["sampler.rng"], self.temp, self.top_k, self.top_p))
-        out.append(x0)
         if self.hidden_name:
             self.bl_h, self.bl_t, self.bl_r0 = [self._last_hidden()], [x0], rt.position - 1
-        pending = x0
-        while pending is not None:
-            if pending in stops:
-                rt.finish_reason = "stop"
+        self.pending = x0
+        return x0
+
+    def next(self, room: int, stops) -> list[int]:
+        """One round after the pending token, emitting at most `room` tokens: those committed
+        after it, then the next pending token unless a stop id was committed, the room is
+        used up or the session is full (then pending is None and finish_reason says why)."""
+        committed, y, stopped = self._round(self.pending, self._budget(0, room), stops)
+        new, self.pending = committed[1:], None
+        rt = self.rt
+        if stopped:
+            rt.finish_reason = "stop"
+        elif len(new) < room and rt.position < rt.max_seq_len:
+            if self.hidden_name:
+                self.bl_t.append(y)
+            new.append(y)
+            self.pending = y
+        elif len(new) < room:
+            rt.finish_reason = "max_seq_len"
+        return new
+
+    def close(self) -> None:
+        """Commit the pending token and write the draft head's rows: the session is at rest."""
+        if self.pending is not None:
+            self.rt.advance(self._t([self.pending]))
+            self.pending = None
+        self._flush()
+        self.spec.stats = dict(self.stats)
+
+    def run(self, max_new: int, stops) -> list[int]:
+        self.rt.finish_reason = "length"
+        out = [] if max_new <= 0 else [t for t in [self.first()] if t is not None]
+        while self.pending is not None:
+            if self.pending in stops:
+                self.rt.finish_reason = "stop"
                 break
             if len(out) >= max_new:
                 break
-            committed, y, stopped = self._round(pending, self._budget(len(out), max_new), stops)
-            out += committed[1:]
-            pending = None
-            if stopped:
-                rt.finish_reason = "stop"
-                break
-            if len(out) >= max_new:          # y is a bonus from p: dropping it is unbiased
-                break
-            if rt.position >= rt.max_seq_len:
-                rt.finish_reason = "max_seq_len"
-                break
-            if self.hidden_name:
-                self.bl_t.append(y)
-            out.append(y)
-            pending = y
-        if pending is not None:              # emitted, not yet committed
-            rt.advance(self._t([pending]))
-        self._flush()
+            out += self.next(max_new - len(out), stops)
+        self.close()
         return out

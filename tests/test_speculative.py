@@ -448,6 +448,32 @@ def test_model_without_planes_falls_back_to_rerun(runtime, monkeypatch):
         spec.use_mechanism(rt, "both")
 
 
+# ---- a round at a time (flashrt serve) --------------------------------------------------------
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_decoder_rounds_are_generate(temperature, runtime):
+    """Speculator.prefill + decoder() driven round by round (a server's loop) give
+    generate()'s tokens and leave its state byte for byte (same path, same RNG draws)."""
+    prompt = _ids(PROMPT, seed=16)
+    ref = runtime(ARCH)
+    want = ref.generate(prompt, max_new_tokens=10, temperature=temperature, seed=2,
+                        ignore_eos=True, speculative="mtp", draft_tokens=3)
+    rt = runtime(ARCH)
+    sp = rt.speculation()
+    sp.prefill(prompt)
+    rt.seed(2)
+    dec = sp.decoder(3, temperature)
+    got = [dec.first()]
+    while len(got) < 10 and dec.pending is not None:
+        got += dec.next(10 - len(got), set())
+    dec.close()
+    assert got == want and rt.tokens == ref.tokens
+    diff = [s.name for s in rt.arena.slots if s.spec.kind in ("kv", "recurrent", "conv", "rng", "meta")
+            and not torch.equal(rt.arena[s.name], ref.arena[s.name])]
+    assert not diff, diff
+    with pytest.raises(ValueError, match="draft_tokens"):
+        sp.decoder(0)
+
+
 # ---- stops, budgets, limits -----------------------------------------------------------------
 def test_stop_inside_accepted_drafts_and_exact_budgets(runtime, plain_ref):
     prompt, ref_toks, ref_logits = plain_ref("multimodal")
