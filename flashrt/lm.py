@@ -285,14 +285,15 @@ class LanguageModel:
             self._slot.leave(self)
 
     @torch.no_grad()
-    def set_context(self, context, store=None, remember: bool = True) -> torch.Tensor:
+    def set_context(self, context, store=None, remember: bool = True, advance=None) -> torch.Tensor:
         """Make the whole context exactly `context` (token ids, and (T, hidden) embedding
         tensors for multimodal segments); returns the float32 last logits. Reuses this
         session's history or the longest prefix in `store` (flashrt/reuse.py); context_reused
-        says how many positions were taken over instead of re-run."""
+        says how many positions were taken over instead of re-run. advance(ids) appends the
+        rest (default self.advance; speculation().prefill also writes the draft head's rows)."""
         from flashrt.reuse import set_context
         with self._lock:
-            self.context_reused = set_context(self, context, store, remember)
+            self.context_reused = set_context(self, context, store, remember, advance)
             return self.arena["meta.logits"].clone()
 
 

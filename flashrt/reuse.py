@@ -15,8 +15,9 @@ from flashrt.errors import CapsuleError
 from flashrt.inputs import context_ids
 
 
-def set_context(lm, context, store=None, remember: bool = True) -> int:
-    """Make lm's whole context exactly `context`; returns the positions not re-run."""
+def set_context(lm, context, store=None, remember: bool = True, advance=None) -> int:
+    """Make lm's whole context exactly `context`; returns the positions not re-run.
+    advance(ids): appends the positions not reused (default lm.advance)."""
     toks, segs = context_ids(context, lm.net.vocab_size, lm.max_seq_len,
                              specs=lm.net.input_specs(lm.model.dtype))
     for seg in segs:
@@ -34,7 +35,7 @@ def set_context(lm, context, store=None, remember: bool = True) -> int:
             lm.rollback(common)
         reused = own
     if lm.position < len(toks):
-        lm.advance(torch.tensor(toks[lm.position:], device=lm.arena.device))
+        (advance or lm.advance)(torch.tensor(toks[lm.position:], device=lm.arena.device))
     if remember and store is not None and m < len(toks):
         remember_boundary(lm, store)
     return reused

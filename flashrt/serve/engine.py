@@ -35,6 +35,7 @@ class Choice:
     finish: str | None = None
     logits: object = None         # greedy: logits of the last committed token
     pending: bool = False         # greedy: ids[-1] is sent but not yet run through the model
+    decoder: object = None        # speculative: the turn's round-at-a-time decoder
 
 
 @dataclass
@@ -64,7 +65,7 @@ class Job:
 class Engine:
     def __init__(self, load, budget_bytes: int, disk_dir=None, max_sessions: int = 4,
                  max_queue: int | None = None, threads: int | None = None, shared=None,
-                 disk_bytes: int | None = None):
+                 disk_bytes: int | None = None, draft_tokens: int = 0):
         """load: () -> LanguageModel with max_sessions pooled sessions. The worker thread calls
         it and then does all the model's work: with torch's OpenMP, a second thread's team
         (the main thread's, from loading) makes libgomp throttle both teams' spin-waits."""
@@ -82,7 +83,7 @@ class Engine:
         self._ready = threading.Event()
         self._load_error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, args=(load, budget_bytes, disk_dir, max_sessions,
-                                                                shared, disk_bytes),
+                                                                shared, disk_bytes, draft_tokens),
                                         name="flashrt-engine", daemon=True)
         self._thread.start()
         self._ready.wait()
@@ -90,16 +91,20 @@ class Engine:
             self._thread.join()
             raise self._load_error
 
-    def _setup(self, load, budget_bytes, disk_dir, max_sessions, shared, disk_bytes) -> None:
+    def _setup(self, load, budget_bytes, disk_dir, max_sessions, shared, disk_bytes, draft_tokens) -> None:
         if self.threads:             # torch's OpenMP thread count is per calling thread
             import torch
             torch.set_num_threads(self.threads)
         rt = self.rt = load()
+        if draft_tokens and not rt.net.has_draft_head:
+            raise ValueError(f"--draft-tokens {draft_tokens}: {rt.model.path} has no draft head "
+                             "(MTP weights); serve it with --draft-tokens 0")
         self.tokenizer = rt.tokenizer
         self.vocab = rt.model.net.vocab_size
         self.tiers = Tiers(budget_bytes, disk_dir, shared, disk_bytes)
         # pinned prefixes hold at most half the budget: the other half stays for turns
-        self.turns = Turns(self.tiers, rt.model.eos_ids, rt.fingerprint, self.reuse, budget_bytes // 2)
+        self.turns = Turns(self.tiers, rt.model.eos_ids, rt.fingerprint, self.reuse, budget_bytes // 2,
+                           draft_tokens)
         # arenas of their own (captured once, here): n-way requests step them token by token
         self.slots = [rt] + [rt.fork(share=False) for _ in range(max_sessions - 1)]
         self.free = list(self.slots)

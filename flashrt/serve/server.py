@@ -7,7 +7,7 @@ from pathlib import Path
 
 def build(model_dir, device="cpu", dtype=None, max_seq_len=4096, capsule_budget_mb=1024,
           capsule_dir=None, api_key=None, max_sessions=4, max_queue=None, seed=0, threads=None,
-          capsule_redis=None, capsule_disk_mb=8192, session_idle_s=3600.0):
+          capsule_redis=None, capsule_disk_mb=8192, session_idle_s=3600.0, draft_tokens=0):
     """(asgi app, engine): load the model with max_sessions sessions, wire the routes, and
     guard every path (API key when given, body size limit)."""
     import flashrt
@@ -18,6 +18,8 @@ def build(model_dir, device="cpu", dtype=None, max_seq_len=4096, capsule_budget_
         raise ValueError(f"--max-sessions must be >= 1, got {max_sessions}")
     if max_queue is not None and max_queue < 0:
         raise ValueError(f"--max-queue must be >= 0, got {max_queue}")
+    if draft_tokens < 0:
+        raise ValueError(f"--draft-tokens must be >= 0, got {draft_tokens}")
     if capsule_disk_mb <= 0 or session_idle_s <= 0:
         raise ValueError(f"--capsule-disk-mb and --session-idle-s must be > 0, got "
                          f"{capsule_disk_mb} and {session_idle_s}")
@@ -29,7 +31,7 @@ def build(model_dir, device="cpu", dtype=None, max_seq_len=4096, capsule_budget_
         from flashrt.capsules.redis_tier import RedisTier
         shared = RedisTier.from_url(capsule_redis)
     engine = Engine(load, int(capsule_budget_mb * (1 << 20)), capsule_dir, max_sessions, max_queue, threads,
-                    shared, int(capsule_disk_mb * (1 << 20)))
+                    shared, int(capsule_disk_mb * (1 << 20)), draft_tokens)
     name = Path(model_dir).resolve().name
     app = create_app(engine, ChatTemplate(model_dir), name, api_key, session_idle_s=session_idle_s)
     return Guard(app, api_key, MAX_BODY), engine
@@ -59,6 +61,9 @@ def parser(p=None) -> argparse.ArgumentParser:
                    help="/v1/sessions idle this long expire (and the least recently used idle one "
                    "goes when the table is full)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads of the engine (default: torch's)")
+    p.add_argument("--draft-tokens", type=int, default=0,
+                   help="speculative decoding with the checkpoint's MTP layer, this many drafts a "
+                   "round (0: off); output follows the same greedy/sampling rule")
     return p
 
 
@@ -67,7 +72,8 @@ def main(args) -> int:
     app, engine = build(args.model, args.device, args.dtype, args.max_seq_len, args.capsule_budget_mb,
                         args.capsule_dir, args.api_key, args.max_sessions, args.max_queue,
                         threads=args.threads, capsule_redis=args.capsule_redis,
-                        capsule_disk_mb=args.capsule_disk_mb, session_idle_s=args.session_idle_s)
+                        capsule_disk_mb=args.capsule_disk_mb, session_idle_s=args.session_idle_s,
+                        draft_tokens=args.draft_tokens)
     if args.host not in ("127.0.0.1", "localhost", "::1"):
         print(f"flashrt serve: listening on {args.host}, not loopback only"
               + ("" if args.api_key else " and WITHOUT an API key"))

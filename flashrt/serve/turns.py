@@ -15,11 +15,13 @@ from .protocol import APIError
 
 
 class Turns:
-    def __init__(self, tiers, eos, fingerprint, reuse: bool, pin_bytes: int = 0):
+    def __init__(self, tiers, eos, fingerprint, reuse: bool, pin_bytes: int = 0, draft_tokens: int = 0):
         """pin_bytes: what pinned prefixes may hold together; past it the least recently used
-        pin is released (it stays stored, evictable), so pins cannot shut reuse off for all."""
+        pin is released (it stays stored, evictable), so pins cannot shut reuse off for all.
+        draft_tokens > 0: decode speculatively with the model's draft head (MTP), that many
+        drafts a round; every prefill then also writes the head's rows, so capsules carry them."""
         self.tiers, self.eos, self.fingerprint, self.reuse = tiers, set(eos), fingerprint, reuse
-        self.pin_bytes = pin_bytes
+        self.pin_bytes, self.draft_tokens = pin_bytes, draft_tokens
         self._pins: OrderedDict = OrderedDict()     # prefix tokens -> (store key, bytes), LRU
 
     def _pin(self, job, rt, mem) -> int:
@@ -28,7 +30,7 @@ class Turns:
         if prefix in self._pins and self._pins[prefix][0] in mem:
             self._pins.move_to_end(prefix)
             return 0
-        rt.set_context(list(prefix), store=mem, remember=False)
+        self._set_context(rt, list(prefix), mem, remember=False)
         run = job.pin - rt.context_reused
         cap = rt.snapshot()
         size = cap.data.numel()
@@ -46,6 +48,10 @@ class Turns:
             warnings.warn(f"flashrt serve: prefix not pinned: {e}")
         return run
 
+    def _set_context(self, rt, toks, mem, remember=True):
+        advance = rt.speculation().prefill if self.draft_tokens else None
+        return rt.set_context(toks, store=mem, remember=remember, advance=advance)
+
     def prefill(self, job) -> None:
         rt, mem = job.choices[0].rt, self.tiers.mem
         computed = 0
@@ -54,7 +60,7 @@ class Turns:
             mem = None
         if job.pin and mem is not None:
             computed += self._pin(job, rt, mem)
-        logits = rt.set_context(job.prompt, store=mem)
+        logits = self._set_context(rt, job.prompt, mem)
         computed += len(job.prompt) - rt.context_reused
         for c in job.choices:
             c.logits = logits        # forks restore the same state: the same logits
@@ -79,20 +85,22 @@ class Turns:
             if len(c.ids) >= job.max_tokens:
                 self._end(job, c, "length")
                 continue
-            tok = self._next(job, c)
-            if tok is None:                             # the session is at max_seq_len
+            toks = self._next_speculative(job, c) if self.draft_tokens else self._next(job, c)
+            if not toks:                                # the session is at max_seq_len
                 self._end(job, c, "length")
                 continue
-            c.ids.append(tok)
-            if tok in self.eos and not job.ignore_eos:
-                self._end(job, c, "stop")
-                continue
-            self._post_delta(job, c, c.stream.feed(tok), [tok])   # a chunk per token, text or not
-            if c.stream.stopped:
-                self._end(job, c, "stop", flush=False)
+            for tok in toks:                            # a speculative round: 1 + accepted drafts
+                c.ids.append(tok)
+                if tok in self.eos and not job.ignore_eos:
+                    self._end(job, c, "stop")
+                    break
+                self._post_delta(job, c, c.stream.feed(tok), [tok])   # a chunk per token
+                if c.stream.stopped:
+                    self._end(job, c, "stop", flush=False)
+                    break
         return all(c.finish is not None for c in job.choices)
 
-    def _next(self, job, c):
+    def _next(self, job, c) -> list:
         """One token. Greedy sends it before running it through the model (the step that
         makes the next logits), so TTFT is the prefill alone; sampling goes through
         rt.generate (the session's RNG), which runs the token before returning it."""
@@ -100,13 +108,25 @@ class Turns:
         if job.temperature == 0.0:
             if c.pending:
                 if rt.position >= rt.max_seq_len:
-                    return None
+                    return []
                 c.logits = rt.decode(c.ids[-1])
             c.pending = True
-            return int(torch.argmax(c.logits))         # the sampler's greedy rule, same logits
-        out = rt.generate(max_new_tokens=1, temperature=job.temperature, top_p=job.top_p,
-                          seed=c.seed if not c.ids else None, ignore_eos=True)
-        return out[0] if out else None
+            return [int(torch.argmax(c.logits))]       # the sampler's greedy rule, same logits
+        return rt.generate(max_new_tokens=1, temperature=job.temperature, top_p=job.top_p,
+                           seed=c.seed if not c.ids else None, ignore_eos=True)
+
+    def _next_speculative(self, job, c) -> list:
+        """One round of the choice's speculative decoder: the first token (sent before it runs,
+        as greedy is), then per round the accepted drafts and the next token; the last one
+        sent is pending until the next round (or end()) runs it."""
+        if c.decoder is None:
+            if job.temperature > 0.0:
+                c.rt.seed(c.seed)
+            c.decoder = c.rt.speculation().decoder(self.draft_tokens, job.temperature, 0, job.top_p)
+            return [t for t in [c.decoder.first()] if t is not None]
+        if c.decoder.pending is None:       # a stop id committed, or the session is full
+            return []
+        return c.decoder.next(job.max_tokens - len(c.ids), set() if job.ignore_eos else self.eos)
 
     def _post_delta(self, job, c, text, new_ids) -> None:
         job.post(("delta", c.index, text, c.stream.covered() - 1, new_ids))
@@ -121,11 +141,18 @@ class Turns:
 
     def end(self, job, cancel) -> int:
         """The turn's final history in its sessions; returns the completion token count."""
+        for c in job.choices:        # speculative: run the pending token, write draft-head rows
+            if c.decoder is not None:
+                c.decoder.close()
+                c.decoder = None
         if cancel is not None:       # came in before the end, even during the last step
             self._rollback_delivered(job)
         for c in job.choices:        # the history holds every kept id, the last one included
-            if c.pending and c.rt.position < len(job.prompt) + len(c.ids):
+            kept = len(job.prompt) + len(c.ids)
+            if c.pending and c.rt.position < kept:
                 c.rt.decode(c.ids[-1])
+            elif c.rt.position > kept:      # a speculative round committed past a stop string
+                c.rt.rollback(kept)
             c.pending = False
         job.outcome = list(job.choices[0].rt.tokens)
         if job.session is not None:
@@ -171,7 +198,7 @@ class Turns:
             job.outcome = toks
         for c, k in zip(job.choices, kept):
             if self.reuse:
-                rt.set_context(job.prompt + c.ids[:k], store=self.tiers.mem)
+                self._set_context(rt, job.prompt + c.ids[:k], self.tiers.mem)
                 self.tiers.remember_turn(rt)
         job.kept = kept
         return kept
