@@ -32,10 +32,11 @@ class CausalLM(StatefulModel):
         w = self.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
         return linear(x, w, kernel=self.linear_kernel)
 
-    def forward(self, inputs: dict, ctx: StepCtx, state, all_positions: bool = False) -> dict:
+    def forward(self, inputs: dict, ctx: StepCtx, state, all_positions: bool | str = False) -> dict:
         x = inputs["embeds"] if "embeds" in inputs else self.embed(inputs["ids"])
-        h = self.hidden(x, ctx, state, all_positions)
-        return {"logits": self.head(h), "hidden": h}
+        h = self.hidden(x, ctx, state, bool(all_positions))
+        # "hidden": every position's hidden (a draft head's input), the vocab head on the last only
+        return {"logits": self.head(h[-1:] if all_positions == "hidden" else h), "hidden": h}
 
     def map_weight_name(self, name: str) -> str | None:
         """The plain Hugging Face causal-LM layout (`model.*`, optional `lm_head`)."""

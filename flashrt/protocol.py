@@ -44,8 +44,9 @@ class StatefulModel(nn.Module):
         """Inputs forward() accepts; a step passes any non-empty subset the model allows."""
         raise NotImplementedError
 
-    def forward(self, inputs: dict, ctx: StepCtx, state, all_positions: bool = False) -> dict:
-        """Advance the state by ctx.T positions; returns named outputs (last or all positions)."""
+    def forward(self, inputs: dict, ctx: StepCtx, state, all_positions: bool | str = False) -> dict:
+        """Advance the state by ctx.T positions; returns named outputs of the last position, of
+        all (True), or for language models "hidden": hidden of all, logits of the last."""
         raise NotImplementedError
 
     # ---- optional hooks ---------------------------------------------------------------
@@ -71,7 +72,8 @@ class StatefulModel(nn.Module):
     def has_draft_head(self) -> bool:
         return False
 
-    def draft(self, ids: torch.Tensor, hidden: torch.Tensor, ctx: StepCtx, state):
+    def draft(self, ids: torch.Tensor, hidden: torch.Tensor, ctx: StepCtx, state, last_only: bool = False):
         """ids (T,) = tokens at p+1, hidden (T, H) = the model's hidden at p, ctx.positions = p.
-        Writes the head's own state rows p; returns ((T, vocab) logits for p+2, (T, H) hidden)."""
+        Writes the head's own state rows p; returns ((T, vocab) logits for p+2 (last_only: (1,
+        vocab), a prefill writing rows), (T, H) hidden)."""
         raise NotImplementedError(f"{self.model_type} has no draft head")

@@ -215,7 +215,7 @@ class _Generation:
         for j in range(0, toks.shape[0], chunk):
             if row0 + j < rt.position:
                 rt.session.invalidate_from(row0 + j)
-            EagerSteps.draft(self.steps, toks[j: j + chunk], hid[j: j + chunk], row0 + j)
+            EagerSteps.draft(self.steps, toks[j: j + chunk], hid[j: j + chunk], row0 + j, last_only=True)
 
     # -- drafting ---------------------------------------------------------------------------
     def _pick(self, logits: torch.Tensor):

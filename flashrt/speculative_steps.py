@@ -39,15 +39,15 @@ class EagerSteps:
         p = None if self.planes is None else self.planes.views(T)
 
         def body(ctx):
-            out = net({"ids": ids}, replace(ctx, planes=p), a, all_positions=True)
-            return out["hidden"], out["logits"].float() if all_logits else out["logits"][-1:].float()
+            out = net({"ids": ids}, replace(ctx, planes=p), a, all_positions=all_logits or "hidden")
+            return out["hidden"], out["logits"].float()
         return self.session.step(ids.shape[0], body, commit=False)
 
-    def draft(self, tokens: torch.Tensor, hidden: torch.Tensor, row0: int):
+    def draft(self, tokens: torch.Tensor, hidden: torch.Tensor, row0: int, last_only: bool = False):
         """Draft head over pairs at rows row0.. (writes its rows there). (logits, hidden)."""
         T = tokens.shape[0]
         ctx = StepCtx(T, torch.arange(row0, row0 + T, device=tokens.device), start=row0)
-        return self.net.draft(tokens, hidden, ctx, self.session.arena)
+        return self.net.draft(tokens, hidden, ctx, self.session.arena, last_only)
 
 
 class SpecSteps(EagerSteps):

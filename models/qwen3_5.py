@@ -293,7 +293,7 @@ class Model(CausalLM):
     def has_draft_head(self) -> bool:
         return self.has_mtp
 
-    def draft(self, ids, hidden, ctx: StepCtx, state):
+    def draft(self, ids, hidden, ctx: StepCtx, state, last_only=False):
         """ids (T,) = tokens at p+1, hidden (T, hidden) = main hidden at p, ctx.positions = p.
         Writes MTP KV rows p; returns ((T, vocab) logits for p+2, (T, hidden) post-norm)."""
         m = self.mtp
@@ -301,7 +301,7 @@ class Model(CausalLM):
         x = m.fc(torch.cat([e, m.pre_fc_norm_hidden(hidden.to(e.dtype))], dim=-1))
         cos, sin = self.rotary(ctx.positions + state["rope.delta"], x.dtype)
         h = m.norm(m.layers[0](x, ctx, state, cos, sin))
-        return self.head(h), h
+        return self.head(h[-1:] if last_only else h), h
 
     # ---- optional MTP weights ---------------------------------------------------------------
     def _mtp_names(self) -> set[str]:
