@@ -62,6 +62,8 @@ def make_trace(a, vocab):
 
 def run_trace(a, rt, cold_rt, store):
     import torch
+
+    from flashrt.inputs import common_prefix
     system, plan = make_trace(a, rt.net.vocab_size)
     history, contexts, rows = list(system), [], []
     for k, (kind, user) in enumerate(C.progress(plan, desc="trace")):
@@ -71,7 +73,7 @@ def run_trace(a, rt, cold_rt, store):
             ctx = contexts[max(0, len(contexts) - 2)][: -a.user] + user   # an earlier turn, other message
         else:
             ctx = history + user
-        own = _common(rt.tokens, ctx)
+        own = common_prefix(rt.tokens, ctx)
         hit = store.match(ctx, rt.fingerprint)[1]
         t_warm, logits = C.time_once(lambda: rt.set_context(ctx, store=store), a.device)
         t_cold, cold_logits = C.time_once(lambda: (cold_rt.reset(), cold_rt.prefill(ctx))[1], a.device)
@@ -86,15 +88,6 @@ def run_trace(a, rt, cold_rt, store):
                      "same_argmax": bool(torch.argmax(logits) == torch.argmax(cold_logits)),
                      "reused": reused})
     return rows
-
-
-def _common(a, b) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def shared_prefix_cost(a, rt):

@@ -119,3 +119,13 @@ class EmbeddingSegments:
         raise ValueError(f"positions with content ids {ids[0]}..{ids[-1]} came from embeddings "
                          "this session does not hold (a capsule restored from elsewhere): "
                          "restore a capsule at or after them, or prefill the embeddings again")
+
+
+def common_prefix(a, b) -> int:
+    """How many leading ids two histories share."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n

@@ -16,6 +16,7 @@ import traceback
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
+from flashrt.inputs import common_prefix
 
 from .protocol import APIError
 from .text import TextStream
@@ -265,7 +266,7 @@ class Engine:
 
     def _pick(self, prompt: list, n: int) -> list:
         """Free sessions, the one whose own history shares the longest prefix first."""
-        best = sorted(self.free, key=lambda rt: _shared_prefix(rt.tokens, prompt), reverse=True)[:n]
+        best = sorted(self.free, key=lambda rt: common_prefix(rt.tokens, prompt), reverse=True)[:n]
         for rt in best:
             self.free.remove(rt)
         return best
@@ -310,15 +311,6 @@ class Engine:
         with self._cv:
             while len(self._jobs) > _RECENT and next(iter(self._jobs.values())).phase == "done":
                 self._jobs.popitem(last=False)
-
-
-def _shared_prefix(a: list, b: list) -> int:
-    k = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        k += 1
-    return k
 
 
 def new_seed() -> int:
