@@ -336,7 +336,7 @@ def main(argv=None) -> int:
     info = C.banner("capsules", a)
     print(SYNTH_NOTE)
     if not C.have_native():
-        print("WARNING: flashrt._C is not built: copies use torch and the capsule checksum is "
+        print("WARNING: flashrt.native._C is not built: copies use torch and the capsule checksum is "
               "numpy XXH3 (~50 MB/s); build it (pip install --no-build-isolation .) or set "
               "FLASHRT_EXT_DIR. Disk tier limited to states under 2 MiB.")
         a.mib = [m for m in a.mib if m < 2] or [1]

@@ -34,50 +34,48 @@ DTYPES = ("float32", "bfloat16", "float16")
 
 # ---- native extension ------------------------------------------------------------------------
 def attach_native() -> str | None:
-    """Use an installed flashrt._C when the source tree has no built extension.
+    """Use an installed flashrt.native._C when the source tree has no built extension.
 
     `python bench/x.py` imports flashrt from the source tree, where `pip install .` leaves no
     `_C` (it goes to site-packages). Without it capsule copies fall back to torch and the
     capsule checksum to a numpy XXH3 (~50 MB/s). FLASHRT_EXT_DIR may name the
-    directory holding `_C*.so`; otherwise installed `flashrt/` directories are searched. Returns
-    the path attached, or None. Must run before anything imports flashrt.native.
+    directory holding `_C*.so`; otherwise installed `flashrt/native/` directories are searched.
+    Returns the path attached, or None. Must run before anything imports flashrt.native.
     """
-    if "flashrt.native" in sys.modules or "flashrt._C" in sys.modules:
+    if "flashrt.native" in sys.modules or "flashrt.native._C" in sys.modules:
         return None
-    import flashrt
-    if any(glob.glob(os.path.join(d, "_C*.so")) or glob.glob(os.path.join(d, "_C*.pyd"))
-           for d in flashrt.__path__):
+    here = ROOT / "flashrt" / "native"
+    if glob.glob(str(here / "_C*.so")) or glob.glob(str(here / "_C*.pyd")):
         return None
     dirs = [os.environ["FLASHRT_EXT_DIR"]] if os.environ.get("FLASHRT_EXT_DIR") else []
     try:
-        dirs += [os.path.join(p, "flashrt") for p in site.getsitepackages()]
+        dirs += [os.path.join(p, "flashrt", "native") for p in site.getsitepackages()]
     except AttributeError:   # some virtualenvs
         pass
-    dirs.append(os.path.join(site.getusersitepackages(), "flashrt"))
+    dirs.append(os.path.join(site.getusersitepackages(), "flashrt", "native"))
     for d in dirs:
         for so in sorted(glob.glob(os.path.join(d, "_C*.so"))):
-            spec = importlib.util.spec_from_file_location("flashrt._C", so)
+            spec = importlib.util.spec_from_file_location("flashrt.native._C", so)
             try:
                 mod = importlib.util.module_from_spec(spec)
                 spec.loader.exec_module(mod)
             except ImportError:
                 continue
             if all(hasattr(mod, n) for n in _native_needs()):
-                sys.modules["flashrt._C"] = mod
-                flashrt._C = mod
+                sys.modules["flashrt.native._C"] = mod    # `from . import _C` finds it there
                 return so
     return None
 
 
 def _native_needs() -> tuple:
-    """flashrt.native.NEEDS (what it calls in the extension), read from its source: importing
-    that module would bind it to the source tree's missing extension."""
+    """flashrt.native._ext.NEEDS (what it calls in the extension), read from its source:
+    importing that module would bind it to the source tree's missing extension."""
     import ast
-    tree = ast.parse((ROOT / "flashrt" / "native.py").read_text())
+    tree = ast.parse((ROOT / "flashrt" / "native" / "_ext.py").read_text())
     for node in tree.body:
         if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "NEEDS" for t in node.targets):
             return ast.literal_eval(node.value)
-    raise RuntimeError("flashrt/native.py defines no NEEDS")
+    raise RuntimeError("flashrt/native/_ext.py defines no NEEDS")
 
 
 _NATIVE_FROM = attach_native()

@@ -47,7 +47,7 @@ TASKS = ("pick up the red cube and place it in the box", "fold the towel")
 def _checkpoint_module():
     # loaded by path: the flashrt package (and its models/__init__) is not installed in this venv
     spec = importlib.util.spec_from_file_location("smolvla_checkpoint",
-                                                  REPO / "models" / "smolvla_checkpoint.py")
+                                                  REPO / "flashrt" / "models" / "smolvla_checkpoint.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod

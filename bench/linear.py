@@ -37,7 +37,7 @@ def main(argv=None) -> int:
     import torch
     import torch.nn.functional as F
     from flashrt import native
-    from flashrt.layers import WIDEN, Linear, small_m_rows, linear
+    from flashrt.nn.linear import WIDEN, Linear, small_m_rows, linear
     if not native.SMALL_M_LINEAR:
         raise SystemExit(f"the small-M kernel does not run here: {native.ext_status()}")
     torch.set_grad_enabled(False)

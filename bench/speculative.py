@@ -15,7 +15,7 @@ capsule first, untimed):
   re-prefill n      the main step over the n = a+1 accepted tokens after a rewind ("rerun")
 Acceptance is measured by running speculative generate; with random weights the MTP layer and
 the main model are unrelated, so it accepts almost nothing (the JSON says so). The model trained
-here (`--sizes trained`: flashrt/assets/pystdlib-qwen35, `python -m flashrt.train`) has a trained
+here (`--sizes trained`: flashrt/assets/pystdlib-qwen35, `python -m flashrt.dev.train`) has a trained
 MTP layer: on prompts cut from the stdlib files it held out, its acceptance per draft position
 for each k and plain vs speculative tokens/s (both mechanisms) are measured side by side, next
 to the break-even acceptance modeled from this run's step costs. Tokens/s as a function of a
@@ -103,7 +103,7 @@ def break_even(ms: dict, k: int, mech: str = "planes") -> float | None:
 def bench_size(size, a, tables):
     import torch
 
-    import flashrt.speculative as S
+    import flashrt.lm.speculative as S
 
     trained = size == "trained"
     path = trained_path() if trained else C.checkpoint("qwen3_5", size)
@@ -274,8 +274,8 @@ def trained_path():
 
 def heldout_prompts(rt, n: int, length: int) -> list:
     """`length` tokens from the middle of each of the first n held-out stdlib files (the files
-    flashrt.train held out: every val_every-th in sorted order) long enough to hold them."""
-    from flashrt.train import corpus_files
+    flashrt.dev.train held out: every val_every-th in sorted order) long enough to hold them."""
+    from flashrt.dev.train import corpus_files
     every = int(rt.model.info["corpus"]["heldout_rule"].split()[1].rstrip("thsnrd"))
     out = []
     for f in corpus_files()[::every]:
@@ -290,7 +290,7 @@ def heldout_prompts(rt, n: int, length: int) -> list:
 def trained_acceptance(rt, ms: dict, a, tables) -> dict:
     """Per prompt, plain greedy then MTP k = 1..4 with each mechanism, back to back (wall clock,
     after the prompt)."""
-    import flashrt.speculative as S
+    import flashrt.lm.speculative as S
     prompts = heldout_prompts(rt, a.prompts, a.context)
     runs = ["plain"] + [(k, m) for k in a.ks for m in MECHS]
     tot = {name: {"s": 0.0, "tokens": 0, "same": 0, "per_prompt_s": []} for name in runs}
@@ -348,7 +348,7 @@ def trained_acceptance(rt, ms: dict, a, tables) -> dict:
                            "speedup_median_prompt_planes": per,
                            "same_as_plain": {m: tot[(k, m)]["same"] for m in MECHS}}
     t.notes += ["per position j: P(draft j accepted | drafts 1..j-1 accepted), from "
-                "flashrt.speculative.last_stats (planes runs); pooled a = all accepted / all reached "
+                "flashrt.lm.speculative.last_stats (planes runs); pooled a = all accepted / all reached "
                 "(the per-token rate of the model behind break-even)",
                 "break-even a (planes / rerun): smallest per-token acceptance at which the modeled "
                 "mechanism beats plain decode, from this run's step costs (table above); -: never at k",

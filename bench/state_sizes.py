@@ -16,7 +16,7 @@ sys.path.insert(0, str(ROOT))
 
 def layout_table(arch: str, size: str, dtype: str, max_seq_len: int) -> str:
     """The arena table a runtime of this shape would print (rt.layout()), without weights."""
-    from flashrt.arena import format_table, plan_slots
+    from flashrt.core.arena import format_table, plan_slots
     specs, _ = _specs(arch, size, dtype, max_seq_len)
     slots, total = plan_slots(specs)
     fixed = sum(s.spec.nbytes for s in slots if s.spec.seq_dim is None and s.spec.kind not in ("io", "scratch"))
@@ -40,7 +40,7 @@ def _specs(arch, size, dtype, max_seq_len):
 
 
 def state_sizes(arch: str, size: str, dtype: str) -> dict:
-    from flashrt.arena import CAPSULE_KINDS
+    from flashrt.core.arena import CAPSULE_KINDS
     specs, _ = _specs(arch, size, dtype, 1)
     specs = [s for s in specs if s.kind in CAPSULE_KINDS]
     fixed = sum(s.nbytes for s in specs if s.seq_dim is None)

@@ -63,7 +63,7 @@ def make_trace(a, vocab):
 def run_trace(a, rt, cold_rt, store):
     import torch
 
-    from flashrt.inputs import common_prefix
+    from flashrt.lm.inputs import common_prefix
     system, plan = make_trace(a, rt.net.vocab_size)
     history, contexts, rows = list(system), [], []
     for k, (kind, user) in enumerate(C.progress(plan, desc="trace")):

@@ -1,4 +1,4 @@
-// Kernel layer of flashrt._C: plain C++ on raw pointers, no Python and no
+// Kernel layer of flashrt.native._C: plain C++ on raw pointers, no Python and no
 // CUDA headers, so each kernel can be built (and reused) on its own.
 // Segment tables are three parallel int64 arrays: src address, dst address,
 // byte count. Addresses are integers because the Python side hands us

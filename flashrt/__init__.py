@@ -3,28 +3,26 @@
     rt = flashrt.load(path)            # weights + one session (arena) on a device
     logits = rt.prefill(ids); tok = rt.generate(max_new_tokens=8)
     cap = rt.snapshot(); ...; rt.restore(cap)   # byte-exact state capsules
+
+The package's folders, each with its rule in its own docstring (tests/test_structure.py checks
+the imports against them): native/ and kernels/ (compiled and Triton code), capsules/ (bytes at
+rest), core/ (arena, session, copies, graphs), nn/ (building blocks), models/ (protocol,
+registry, loader, one file per model), lm/ and policy/ (layers on a Session), serve/ (HTTP),
+dev/ (demo and training entry points). Nothing inside the package imports this face.
 """
 from __future__ import annotations
 
-import os as _os
-
-# In a source checkout, capsules/ and models/ sit beside flashrt/; installed wheels carry them
-# inside the package (pyproject maps them). Let the source layout resolve the same names.
-_root = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
-if not _os.path.isdir(_os.path.join(_os.path.dirname(__file__), "models")) and \
-        _os.path.isfile(_os.path.join(_root, "models", "__init__.py")):
-    __path__.append(_root)  # noqa: F821 (package __path__)
-
-from .errors import (ArenaError, CapsuleConsumedError, CapsuleCorruptError, CapsuleError,  # noqa: E402
+from .errors import (ArenaError, CapsuleConsumedError, CapsuleCorruptError, CapsuleError,  # noqa: F401
                      CapsuleMismatchError, ConfigError, FlashRTError, WeightError)
-from .version import __version__  # noqa: E402
+from .version import __version__  # noqa: F401
 
 
 def load(path, device="cpu", dtype=None, max_seq_len: int = 4096, cuda_graphs: bool = True,
          sessions: int = 1, prefill_chunk: int = 2048, checkpoint_every: int = 1024,
          max_checkpoints: int = 16, seed: int = 0, linear_kernel: str = "auto",
          compile: bool = False):
-    """Load a Hugging Face-format checkpoint directory and open a session on it.
+    """Load a Hugging Face-format checkpoint directory and open a session on it
+    (flashrt.lm.load with these settings: the fields of flashrt.lm.Options).
 
     sessions > 1 pre-allocates (and on CUDA pre-captures) that many sessions in total, so
     `fork()` never allocates or captures on the hot path; it raises when none is free.
@@ -39,17 +37,12 @@ def load(path, device="cpu", dtype=None, max_seq_len: int = 4096, cuda_graphs: b
     Off by default: each body compiles on first use (seconds to minutes); bench/compile.py
     measures where it pays.
     """
-    from .lm import LanguageModel, Options
-    from .loader import load_model
-    from .pool import SessionPool
-    if max_seq_len < 1:
-        raise ValueError(f"max_seq_len must be >= 1, got {max_seq_len}")
-    model = load_model(path, device=device, dtype=dtype, linear_kernel=linear_kernel)
-    opts = Options(max_seq_len=max_seq_len, prefill_chunk=prefill_chunk,
-                   checkpoint_every=checkpoint_every, max_checkpoints=max_checkpoints,
-                   cuda_graphs=cuda_graphs, seed=seed, compile=compile)
-    pool = SessionPool(lambda p: LanguageModel(model, opts, pool=p), sessions - 1) if sessions > 1 else None
-    return LanguageModel(model, opts, pool=pool)
+    from .lm import Options, load as _load
+    return _load(path, Options(max_seq_len=max_seq_len, prefill_chunk=prefill_chunk,
+                               checkpoint_every=checkpoint_every, max_checkpoints=max_checkpoints,
+                               device=device, dtype=dtype, linear_kernel=linear_kernel,
+                               sessions=sessions, cuda_graphs=cuda_graphs, seed=seed,
+                               compile=compile))
 
 
 def load_policy(path, device="cpu", dtype=None, seed: int = 0):
@@ -65,7 +58,7 @@ def __getattr__(name):
         from .lm import LanguageModel
         return LanguageModel
     if name == "Session":
-        from .session import Session
+        from .core.session import Session
         return Session
     if name in ("Capsule", "save_capsule", "load_capsule"):
         from . import capsules
@@ -73,6 +66,7 @@ def __getattr__(name):
     raise AttributeError(f"module 'flashrt' has no attribute {name!r}")
 
 
-__all__ = ["load", "load_policy", "Runtime", "LanguageModel", "Session", "Capsule", "save_capsule", "load_capsule", "FlashRTError", "ArenaError", "ConfigError", "WeightError",
+__all__ = ["load", "load_policy", "Runtime", "LanguageModel", "Session", "Capsule", "save_capsule",
+           "load_capsule", "FlashRTError", "ArenaError", "ConfigError", "WeightError",
            "CapsuleError", "CapsuleMismatchError", "CapsuleCorruptError", "CapsuleConsumedError",
            "__version__"]

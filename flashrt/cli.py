@@ -10,9 +10,9 @@ RANDOM_NOTE = "NOTE: random weights — the text below is meaningless; the point
 
 
 def _load(args):
-    import flashrt
-    return flashrt.load(args.model, device=args.device, dtype=args.dtype, max_seq_len=args.max_seq_len,
-                        cuda_graphs=not args.eager)
+    from flashrt.lm import load
+    return load(args.model, device=args.device, dtype=args.dtype, max_seq_len=args.max_seq_len,
+                cuda_graphs=not args.eager)
 
 
 def _sync(rt):
@@ -42,7 +42,7 @@ def cmd_generate(args) -> int:
 
 
 def cmd_demo(args) -> int:
-    from flashrt.demo import run_demo
+    from flashrt.dev.demo import run_demo
     return run_demo(arch=args.arch, size=args.size, prefix=args.prefix, device=args.device,
                     random=args.random, model=args.model)
 

@@ -107,8 +107,9 @@ def assert_greedy_matches(ref_logits, tokens, margin=1e-3, what=""):
 
 
 def state_bytes(rt) -> torch.Tensor:
-    """The committed state as bytes: fixed range + live rows of every per-token buffer."""
-    a = rt.arena
+    """The committed state as bytes: fixed range + live rows of every per-token buffer (a
+    shared-arena fork takes its turn first)."""
+    a = rt.activate().arena if hasattr(rt, "activate") else rt.arena
     parts = [a.data[a.fixed_begin: a.fixed_end]]
     parts += [a.bytes_of(s.name, rt.position) for s in a.slots
               if s.spec.seq_dim == 0 and s.spec.kind != "io"]

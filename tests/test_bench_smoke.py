@@ -17,7 +17,7 @@ def test_capsules_bench_quick(tmp_path):
                         "--tmpdir", str(tmp_path)],
                        cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
-    assert "flashrt._C" in r.stdout and "unavailable" not in r.stdout   # native paths measured
+    assert "flashrt.native._C" in r.stdout and "unavailable" not in r.stdout   # native paths measured
     results = json.loads(out.read_text())["data"]["results"]
     assert [x["arch"] for x in results] == ["qwen3", "qwen3_5"]
     for res in results:

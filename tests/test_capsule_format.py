@@ -13,7 +13,7 @@ import torch
 import flashrt
 import flashrt.capsules.format as fmt
 import flashrt.native as fmt_native
-from flashrt.arena import CAPSULE_KINDS
+from flashrt.core.arena import CAPSULE_KINDS
 from flashrt.capsules.types import Capsule, CapsuleMeta, Entry, dtype_from_name
 from flashrt.errors import CapsuleCorruptError, CapsuleMismatchError
 
@@ -38,7 +38,7 @@ def make_capsule(position=5, seed=0, single_use=False, parent=None) -> Capsule:
     cap = Capsule(data, entries, CapsuleMeta(
         position, {"model_type": "fake", "config": "c" * 16, "weights": "w" * 16, "dtype": "float32",
                    "layout": "l" * 16}, {"device": "cpu", "threads": 2, "note": "ünïcode"},
-        parent=parent, single_use=single_use, extra={"k": [1, 2.5, None]}))
+        parent=parent, single_use=single_use, extra={"k": [1, 2.5, None], "history": "meta.tokens"}))
     for e in entries:
         v = cap.view(e.name)
         if e.name == "meta.tokens":
@@ -70,7 +70,7 @@ def test_round_trip(saved):
     back = flashrt.load_capsule(path)
     assert_same(cap, back)
     assert torch.equal(cap.data, back.data)     # gaps are zero in both
-    assert back.tokens == list(range(100, 105))
+    assert back.history == list(range(100, 105))
     assert back.device.type == "cpu"
 
 
@@ -353,7 +353,7 @@ def ascii_capsule(position=5, seed=0, extra=None) -> Capsule:
     """make_capsule with metadata the native reader takes (no \\u escapes in the header)."""
     cap = make_capsule(position, seed)
     cap.meta = CapsuleMeta(position, dict(cap.meta.fingerprint), {"device": "cpu", "threads": 2},
-                           extra=extra if extra is not None else {"k": [1, 2.5, None]})
+                           extra=extra if extra is not None else {"k": [1, 2.5, None], "history": "meta.tokens"})
     return cap
 
 

@@ -33,7 +33,7 @@ def test_never_left_continuation_bitwise(arch, runtime):
     want = _decode_logits(ref, cont)
     rt.prefill(prompt)
     cap = rt.snapshot()
-    assert cap.position == 29 and cap.tokens == prompt
+    assert cap.position == 29 and cap.history == prompt
     rt.prefill(_ids(17, 3))                           # excursion: other tokens, then decode
     rt.generate(max_new_tokens=5)
     rt.restore(cap)
@@ -218,7 +218,7 @@ def test_rollback_sources_are_strong_and_bounded(runtime):
     """Rollback sources never depend on garbage collection: the last capsule a session made
     serves rollback whether or not the caller still holds it (gc forced or disabled alike),
     and the session holds one capsule's memory, no more: an older dropped one is freed."""
-    from flashrt.session import MAX_ANCHORS
+    from flashrt.core.sources import MAX_ANCHORS
     arch = "qwen3_5" if "qwen3_5" in ARCHS else "qwen3"
     h = _ids(24, 17)
     results = []
@@ -273,7 +273,7 @@ def test_fixed_state_and_token_history_copy_as_one_range(arch, runtime):
     """The token history follows the fixed state in the arena and, at the same distance, in the
     capsule: snapshot and restore copy both as one range (plus one per per-token buffer), and
     the padding between them, which no view covers, travels without touching any buffer."""
-    from flashrt.capsules.copy import copy_pairs
+    from flashrt.core.copy import copy_pairs
     rt = runtime(arch)
     a = rt.arena
     assert a.after_fixed == "meta.tokens"
@@ -291,7 +291,7 @@ def test_fixed_state_and_token_history_copy_as_one_range(arch, runtime):
     rt.prefill(_ids(9, 24))
     pad.zero_()
     rt.restore(cap)
-    assert rt.tokens == cap.tokens and rt.generate(max_new_tokens=3) == want_next
+    assert rt.tokens == cap.history and rt.generate(max_new_tokens=3) == want_next
 
 
 def test_validation_refuses_and_leaves_state(runtime, ckpt):
@@ -497,7 +497,7 @@ def test_shared_prefix_capsule(arch, runtime, tmp_path):
     a = rt.arena
     kv_row = sum(s.spec.row_bytes for s in a.slots if s.spec.seq_dim == 0 and s.spec.kind != "meta")
     assert child.nbytes == a.fixed_state_bytes + 7 * kv_row + 31 * a["meta.tokens"].element_size()
-    assert child.nbytes < full.nbytes and child.tokens == full.tokens
+    assert child.nbytes < full.nbytes and child.history == full.history
     cont = _ids(6, 32)
     want = _decode_logits(rt, cont)
     other = runtime(arch)
@@ -530,8 +530,8 @@ def test_devices_compare_as_tensors_report_them():
     """'cuda' and 'cuda:0' name one device: the arena keeps its tensor's device, and the copy
     layer's comparison treats an index-less device as the same device (issue: every
     snapshot(into=) on CUDA was refused as 'capsule is on cuda:0, arena on cuda')."""
-    from flashrt.arena import Arena, BufferSpec
-    from flashrt.capsules.copy import _same_device
+    from flashrt.core.arena import Arena, BufferSpec
+    from flashrt.core.copy import _same_device
     assert _same_device(torch.device("cuda"), torch.device("cuda", 0))
     assert _same_device(torch.device("cuda", 0), torch.device("cuda"))
     assert not _same_device(torch.device("cuda", 0), torch.device("cuda", 1))
@@ -546,7 +546,7 @@ def test_graph_warm_up_at_a_small_capacity(arch, runtime):
     it, and the warm-up runs them at a scratch window inside the capacity, so a session whose
     max_seq_len is below the sum of the captured sizes warms up and is left as it was (before,
     warm-up walked meta.position to 1+2+...+64 = 127: a device-side assert under 127)."""
-    from flashrt.graphs import power_of_two_sizes
+    from flashrt.core.graphs import power_of_two_sizes
     from flashrt.lm import static_step
     rt = runtime(arch, max_seq_len=20, prefill_chunk=16)
     rt.prefill(_ids(9, 40))

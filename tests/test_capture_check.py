@@ -7,9 +7,9 @@ import torch
 
 from conftest import ARCHS
 from flashrt import native
-from flashrt.capture_check import hazards
+from flashrt.core.capture_check import hazards
 from flashrt.lm import use_graph_bodies
-from flashrt.speculative import use_static_steps
+from flashrt.lm.speculative import use_static_steps
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

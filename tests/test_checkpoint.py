@@ -10,7 +10,7 @@ from safetensors import safe_open
 try:
     from flashrt.models import checkpoint as ck
 except ImportError:  # before packaging: load the module straight from the repo
-    _path = pathlib.Path(__file__).resolve().parents[1] / "models" / "checkpoint.py"
+    _path = pathlib.Path(__file__).resolve().parents[1] / "flashrt" / "models" / "checkpoint.py"
     _spec = importlib.util.spec_from_file_location("flashrt_models_checkpoint", _path)
     ck = importlib.util.module_from_spec(_spec)
     _spec.loader.exec_module(ck)

@@ -8,9 +8,9 @@ import torch
 
 import flashrt.lm
 from conftest import ARCHS, state_bytes
-from flashrt.graphs import HostReadback
+from flashrt.core.graphs import HostReadback
 from flashrt.lm import graph_body_step, use_graph_bodies
-from flashrt.sampler import sample
+from flashrt.lm.sampler import sample
 
 SETTINGS = {"greedy": dict(temperature=0.0),
             "sampled": dict(temperature=0.8, top_k=40, top_p=0.9),
@@ -129,7 +129,7 @@ def test_generate_draws_on_device_not_on_host(runtime, monkeypatch):
 
     def host_sampler(*args):
         raise AssertionError("the host sampler ran during a graph-path generate")
-    monkeypatch.setattr(flashrt.lm, "sample", host_sampler)
+    monkeypatch.setattr(flashrt.lm.model, "sample", host_sampler)
     assert len(rt.generate(max_new_tokens=6, temperature=0.7, ignore_eos=True)) == 6
 
 
@@ -170,7 +170,7 @@ def test_host_readback_ring():
 def test_tiny_temperature_samples_the_argmax():
     """logits / 1e-44 overflowed to inf and the softmax to NaN (a server saw token 511 every
     step); a temperature that small is one-hot: the argmax."""
-    from flashrt.sampler import sample
+    from flashrt.lm.sampler import sample
     logits = torch.randn(512, generator=torch.Generator().manual_seed(0)) * 5
     for t in (1e-44, 1e-30, 1e-7):
         rng = torch.tensor([3, 0], dtype=torch.int64)

@@ -15,7 +15,7 @@ from flashrt.lm import graph_body_step
 from conftest import assert_greedy_matches, hf_logits, hf_reference, margin_check, teacher_forced
 from flashrt.models.lfm2 import Lfm2Config, effective_ff_dim
 
-CONFIGS = pathlib.Path(__file__).resolve().parents[1] / "models" / "configs"
+CONFIGS = pathlib.Path(__file__).resolve().parents[1] / "flashrt" / "models" / "configs"
 PROMPT, TOL = 20, 1e-4
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flashrt.linear_attn import chunk_gated_delta_rule, recurrent_gated_delta_rule, use_fla
+from flashrt.nn.linear_attn import chunk_gated_delta_rule, recurrent_gated_delta_rule, use_fla
 
 
 @pytest.mark.parametrize("fast,dtype,want", [

@@ -21,7 +21,7 @@ def test_flashrt_kernel_dispatch(monkeypatch):
     """2..32 float32 rows take the small-M kernel (counted, and bitwise what it gives alone; a
     strided x is made contiguous); one row, more rows and a strided weight take oneDNN (no
     small-M call); all agree with F.linear."""
-    from flashrt.layers import linear
+    from flashrt.nn.linear import linear
     calls = []
     kernel = native.small_m_linear
     monkeypatch.setattr(native, "small_m_linear", lambda x, w: calls.append(x.shape[0]) or kernel(x, w))
@@ -60,7 +60,7 @@ def _onednn_runs_bf16() -> bool:
 def test_flashrt_kernel_dispatch_bf16(monkeypatch):
     """bf16 weights: 1..SMALL_M_MAX_BF16 rows (a strided x, a bias too) go to the small-M kernel
     (counted: at small K its bits often equal oneDNN's), summed in float32 and rounded once."""
-    from flashrt.layers import linear
+    from flashrt.nn.linear import linear
     calls = []
     kernel = native.small_m_linear
     monkeypatch.setattr(native, "small_m_linear", lambda x, w: calls.append(x.shape[0]) or kernel(x, w))
@@ -83,7 +83,7 @@ def test_widen_kernel_dispatch(monkeypatch):
     """WIDEN (bf16 where oneDNN has none; forced here, oneDNN float32 runs everywhere): 1..32
     rows on the small-M kernel (counted), more rows bitwise oneDNN's float32 product of the
     widened weight, rounded once; a bias is added before that rounding."""
-    from flashrt.layers import WIDEN, linear
+    from flashrt.nn.linear import WIDEN, linear
     calls = []
     kernel = native.small_m_linear
     monkeypatch.setattr(native, "small_m_linear", lambda x, w: calls.append(x.shape[0]) or kernel(x, w))
@@ -302,7 +302,7 @@ def test_bf16_parity(arch, ckpt, runtime):
 
 
 def test_linear_kernel_selection(runtime):
-    from flashrt.layers import WIDEN, Linear
+    from flashrt.nn.linear import WIDEN, Linear
     rt = runtime("qwen3", linear_kernel="aten")
     kernels = {m.kernel for m in rt.net.modules() if isinstance(m, Linear)}
     assert kernels == {"aten"} and rt.net.linear_kernel == "aten" == rt.model.linear_kernel

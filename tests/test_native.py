@@ -1,7 +1,7 @@
-"""flashrt.native and the flashrt._C extension: segmented copy and XXH64.
+"""flashrt.native and its flashrt.native._C extension: segmented copy and XXH64.
 
 Copy tests run on every available backend: "ext" (the compiled kernels; skipped
-with the import error as reason when flashrt._C is missing) and "torch" (the
+with the import error as reason when flashrt.native._C is missing) and "torch" (the
 fallback, forced by hiding the extension).
 """
 import glob
@@ -17,6 +17,8 @@ import pytest
 import torch
 
 from flashrt import native
+from flashrt.native import _ext
+from flashrt.native.hash_fallback import xxh3_py, xxh64_py
 
 needs_ext = pytest.mark.skipif(not native.HAVE_EXT, reason=native.ext_status())
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
@@ -28,9 +30,9 @@ def backend(request, monkeypatch):
         if not native.HAVE_EXT:
             pytest.skip(native.ext_status())
     else:
-        monkeypatch.setattr(native, "HAVE_EXT", False)
-        monkeypatch.setattr(native, "HAVE_CUDA_EXT", False)
-        monkeypatch.setattr(native, "_warn_fallback", lambda: None)  # tested on its own
+        monkeypatch.setattr(_ext, "HAVE_EXT", False)
+        monkeypatch.setattr(_ext, "HAVE_CUDA_EXT", False)
+        monkeypatch.setattr(_ext, "warn_fallback", lambda: None)  # tested on its own
     return request.param
 
 
@@ -225,7 +227,7 @@ def test_equally_spaced_segments_coalesce_into_strided_copies(backend, spacing, 
     """A capsule-like copy (one fixed block, then rows [0, P) of equally spaced per-token
     buffers packed into the destination) runs as a few 2-D strided torch copies; any break in
     the spacing starts a new run; explicit num_threads keeps the native path."""
-    monkeypatch.setattr(native, "COPIES_ON_TORCH_THREADS", False)   # an extension with its own pool
+    monkeypatch.setattr(_ext, "COPIES_ON_TORCH_THREADS", False)   # an extension with its own pool
     g = torch.Generator().manual_seed(4)
     src = torch.randint(0, 256, (3 << 20,), dtype=torch.uint8, generator=g)
     dst = torch.zeros(2 << 20, dtype=torch.uint8)
@@ -259,7 +261,7 @@ def test_cpu_copies_run_on_torch_openmp_threads():
     if torch_rt:                      # torch ships its runtime (pip wheels): it must be that one
         assert os.path.realpath(path) in torch_rt
         assert native.COPIES_ON_TORCH_THREADS
-    theirs = native._torch_openmp_runtime()
+    theirs = _ext._torch_openmp_runtime()
     assert native.COPIES_ON_TORCH_THREADS == (
         theirs is not None and os.path.realpath(theirs) == os.path.realpath(path))
     assert ("torch's OpenMP threads" in native.ext_status()) == native.COPIES_ON_TORCH_THREADS
@@ -372,9 +374,9 @@ def test_raw_binding_checks():
 
 
 def test_fallback_warns_once(monkeypatch):
-    monkeypatch.setattr(native, "HAVE_EXT", False)
-    monkeypatch.setattr(native, "HAVE_CUDA_EXT", False)
-    native._warn_fallback.cache_clear()
+    monkeypatch.setattr(_ext, "HAVE_EXT", False)
+    monkeypatch.setattr(_ext, "HAVE_CUDA_EXT", False)
+    _ext.warn_fallback.cache_clear()
     a = torch.arange(10, dtype=torch.uint8)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -383,12 +385,12 @@ def test_fallback_warns_once(monkeypatch):
         native.copy_segments([(a, a.clone())])
     assert [w.category for w in caught] == [RuntimeWarning]
     assert "unavailable" in str(caught[0].message)
-    native._warn_fallback.cache_clear()
+    _ext.warn_fallback.cache_clear()
 
 
 def test_ext_status_and_version():
     status = native.ext_status()
-    assert "flashrt._C" in status
+    assert "flashrt.native._C" in status
     if native.HAVE_EXT:
         assert isinstance(native._C.version, str) and native._C.version
         assert native.HAVE_CUDA_EXT == native._C.has_cuda()
@@ -400,9 +402,9 @@ def test_stale_extension_is_not_used():
     with a message saying so, and the fallbacks run instead."""
     import subprocess
     import sys
-    code = ("import sys, types; m = types.ModuleType('flashrt._C'); m.version = '0.0.1'; "
+    code = ("import sys, types; m = types.ModuleType('flashrt.native._C'); m.version = '0.0.1'; "
             "m.copy_segments_cpu = m.xxh64 = m.has_cuda = lambda *a: 0; "
-            "sys.modules['flashrt._C'] = m; import flashrt; flashrt._C = m; "
+            "sys.modules['flashrt.native._C'] = m; "
             "import flashrt.native as n; print(n.HAVE_EXT); print(n.ext_status())")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     have, status = out.splitlines()[:2]
@@ -417,7 +419,7 @@ VECTORS = [(b"", 0, 0xEF46DB3751D8E999), (b"a", 0, 0xD24EC4F1A98C6E5B),
 
 @pytest.mark.parametrize("data, seed, want", VECTORS)
 def test_xxh64_published_vectors(data, seed, want):
-    assert native.xxh64_py(data, seed) == want
+    assert xxh64_py(data, seed) == want
     assert native.xxh64(data, seed) == want
 
 
@@ -426,12 +428,12 @@ def test_xxh64_matches_reference_small(backend, seed):
     rng = random.Random(seed)
     for n in range(101):  # covers every tail path and the 32-byte stripe loop
         data = bytes(rng.getrandbits(8) for _ in range(n))
-        assert native.xxh64(data, seed) == native.xxh64_py(data, seed), n
+        assert native.xxh64(data, seed) == xxh64_py(data, seed), n
 
 
 def test_xxh64_large_buffer():
     data = random.Random(11).randbytes((1 << 20) + 13)
-    want = native.xxh64_py(data, 12345)  # ~0.1 s in pure Python
+    want = xxh64_py(data, 12345)  # ~0.1 s in pure Python
     assert native.xxh64(data, 12345) == want
     assert native.xxh64(bytearray(data), 12345) == want
     assert native.xxh64(data[:-1], 12345) != want
@@ -440,14 +442,14 @@ def test_xxh64_large_buffer():
 def test_xxh3_reference_vector_and_fallback_at_every_length_class():
     """The numpy fallback equals the vendored reference at every length class: 0, 1-3, 4-8,
     9-16, 17-128, 129-240, and long inputs (whole 1 KiB blocks, partial stripes, last stripe)."""
-    assert native.xxh3_py(b"") == 0x2D06800538D394C2          # published XXH3_64bits("")
+    assert xxh3_py(b"") == 0x2D06800538D394C2          # published XXH3_64bits("")
     if not native.HAVE_EXT:
         pytest.skip(native.ext_status())
     assert native.xxh3(b"") == 0x2D06800538D394C2
     rng = random.Random(7)
     for n in list(range(0, 300)) + [1023, 1024, 1025, 1087, 2049, 4097, (1 << 18) + 63]:
         data = bytes(rng.getrandbits(8) for _ in range(n)) if n < 5000 else rng.randbytes(n)
-        assert native.xxh3_py(data) == native.xxh3(data), n
+        assert xxh3_py(data) == native.xxh3(data), n
 
 
 def test_zero_spans_and_xxh3_parts(backend):
@@ -463,12 +465,12 @@ def test_zero_spans_and_xxh3_parts(backend):
     assert torch.equal(buf, want)                       # a refused call writes nothing
     data = random.Random(12).randbytes(3000)
     parts = [data[:1], memoryview(data)[1:1000], bytearray(data[1000:2999]), data[2999:]]
-    assert native.xxh3_parts(parts) == native.xxh3(data) == native.xxh3_py(data)
+    assert native.xxh3_parts(parts) == native.xxh3(data) == xxh3_py(data)
 
 
 def test_xxh3_input_kinds(backend):
     data = random.Random(13).randbytes(4099)
-    want = native.xxh3_py(data)
+    want = xxh3_py(data)
     t = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     assert native.xxh3(data) == want and native.xxh3(t) == want
     assert native.xxh3(memoryview(data)) == want and native.xxh3(np.frombuffer(data, np.uint8)) == want
@@ -562,14 +564,14 @@ def test_load_known_table_refuses_spans_outside_the_buffer(tmp_path):
 
 def test_xxh64_input_kinds(backend):
     data = random.Random(14).randbytes(4099)
-    want = native.xxh64_py(data, 3)
+    want = xxh64_py(data, 3)
     t = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     assert native.xxh64(t, 3) == want
-    assert native.xxh64(t[:4096].view(torch.float32).view(32, 32), 3) == native.xxh64_py(data[:4096], 3)
+    assert native.xxh64(t[:4096].view(torch.float32).view(32, 32), 3) == xxh64_py(data[:4096], 3)
     assert native.xxh64(memoryview(data), 3) == want
     assert native.xxh64(np.frombuffer(data, dtype=np.uint8), 3) == want
-    assert native.xxh64(torch.empty(0)) == native.xxh64_py(b"")
-    assert native.xxh64(data, -1) == native.xxh64_py(data, 2**64 - 1)  # seed mod 2**64
+    assert native.xxh64(torch.empty(0)) == xxh64_py(b"")
+    assert native.xxh64(data, -1) == xxh64_py(data, 2**64 - 1)  # seed mod 2**64
     with pytest.raises(ValueError, match="contiguous"):
         native.xxh64(t[::2])
 

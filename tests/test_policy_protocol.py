@@ -15,7 +15,7 @@ from flashrt.errors import CapsuleMismatchError
 from flashrt.models import model_module
 from flashrt.models.tiny_vla import Model, TinyVLAConfig, random_model
 from flashrt.policy import Policy
-from flashrt.sampler import normal, seed_rng, uniform, uniforms
+from flashrt.core.rng import normal, seed_rng, uniform, uniforms
 
 CFG = TinyVLAConfig()       # chunk 8, 5 queued actions per chunk, prefix 7 rows
 
@@ -44,7 +44,7 @@ def test_model_declares_state_by_name_and_kind(net):
     assert kinds["prefix.0.k"] == kinds["prefix.1.v"] == "kv"
     assert (kinds["actions.queue"], kinds["actions.head"], kinds["noise.rng"], kinds["step"]) == \
         ("recurrent", "meta", "rng", "meta")
-    assert p.session.capacity == net.prefix_len == CFG.n_image_tokens + 1
+    assert p.session.max_seq_len == net.prefix_len == CFG.n_image_tokens + 1
     assert model_module({"model_type": "tiny_vla"}).CONFIG.from_hf({"chunk_size": 8}) == CFG
     with pytest.raises(flashrt.ConfigError, match="n_action_steps"):
         TinyVLAConfig.from_hf({"n_action_steps": 9})

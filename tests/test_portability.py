@@ -13,10 +13,10 @@ import flashrt
 import flashrt.native as native
 from conftest import state_bytes
 
-# Runs in a child process where `import flashrt._C` fails: everything falls back to torch/numpy.
+# Runs in a child process where `import flashrt.native._C` fails: everything falls back to torch/numpy.
 _CHILD = r"""
 import hashlib, json, sys
-sys.modules["flashrt._C"] = None            # the extension cannot be imported here
+sys.modules["flashrt.native._C"] = None            # the extension cannot be imported here
 import torch, flashrt, flashrt.native as native
 ckpt, mine, theirs, out = sys.argv[1:5]
 assert not native.HAVE_EXT
@@ -56,7 +56,7 @@ def test_capsules_cross_the_extension_boundary(ckpt, tmp_path):
 
 
 def test_weights_digest_is_sha256_of_the_tensors():
-    from flashrt.loader import weights_digest
+    from flashrt.models.loader import weights_digest
     a = [("w", torch.arange(6, dtype=torch.float32).reshape(2, 3)), ("b", torch.ones(2, dtype=torch.bfloat16))]
     d = weights_digest(a)
     assert d.startswith("sha256:") and d == weights_digest(list(reversed(a)))   # order-free

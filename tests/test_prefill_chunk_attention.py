@@ -8,7 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from flashrt.layers import StepCtx, attend_cached, chunk_attention_mode, prefix_chunk_attention
+from flashrt.core.step import StepCtx
+from flashrt.nn.layers import attend_cached, chunk_attention_mode, prefix_chunk_attention
 
 
 def _qkv(Hq, Hkv, T, L, D, dtype, seed=0):

@@ -13,8 +13,8 @@ import torch.nn.functional as F
 
 import flashrt
 from conftest import assert_greedy_matches, hf_cached_step, hf_logits, hf_reference, teacher_forced
-from flashrt.layers import StepCtx
-from flashrt.linear_attn import (causal_conv, chunk_gated_delta_rule, fast_kernels,
+from flashrt.core.step import StepCtx
+from flashrt.nn.linear_attn import (causal_conv, chunk_gated_delta_rule, fast_kernels,
                                  recurrent_gated_delta_rule)
 from flashrt.models import qwen3_5 as q35
 

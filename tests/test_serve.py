@@ -16,7 +16,7 @@ pytest.importorskip("openai")
 from serve_util import Reference, Server, sse  # noqa: E402
 
 from flashrt.serve.text import ChatTemplate, TextStream  # noqa: E402
-from flashrt.tokenizer import ByteTokenizer  # noqa: E402
+from flashrt.models.tokenizer import ByteTokenizer  # noqa: E402
 
 VOCAB = 512
 

@@ -18,7 +18,7 @@ from serve_util import Reference, Server  # noqa: E402
 
 import flashrt  # noqa: E402
 from flashrt.assets import trained_model_path  # noqa: E402
-from flashrt.layers import StepCtx  # noqa: E402
+from flashrt.core.step import StepCtx  # noqa: E402
 
 DRAFTS = 3
 

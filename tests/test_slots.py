@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conftest import ARCHS, state_bytes
-from flashrt.errors import CapsuleMismatchError
+from flashrt.errors import ArenaError, CapsuleMismatchError
 from flashrt.lm import use_graph_bodies
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -32,9 +32,13 @@ def test_shared_fork_takes_no_arena_or_capture(arch, runtime):
     child = parent.fork(share=True)
     assert child.graphs is parent.graphs                  # no new bodies (no capture on CUDA)
     assert child.position == parent.position == 20        # read without taking a turn
-    assert child.session is parent.session                # one arena: the child is now in it
+    with pytest.raises(ArenaError, match="activate"):
+        child.arena                                       # reading state never copies it
+    assert child.activate() is parent._shared.session     # one arena: the child is now in it
+    with pytest.raises(ArenaError, match="activate"):
+        parent.session                                    # parked: its turn is explicit
     own = parent.fork(share=False)
-    assert own.session is not parent.session
+    assert own.activate() is not parent.activate()
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -71,10 +75,10 @@ def test_parked_session_keeps_its_checkpoints(arch, runtime):
     def run(share):
         rt = _graph_rt(runtime, arch)
         rt.prefill(_ids(40, 3))
-        before = rt.session.checkpoint_positions()
+        before = rt.activate().checkpoint_positions()
         child = rt.fork(share=share)
         child.prefill(_ids(30, 4))                       # the child's turn
-        assert rt.session.checkpoint_positions() == before
+        assert rt.activate().checkpoint_positions() == before
         src = rt.session.rollback_source(37)
         rt.rollback(37)
         return before, src, state_bytes(rt), rt.decode(9)
@@ -143,7 +147,7 @@ def test_turn_switches_copy_into_reused_buffers(runtime, monkeypatch):
     """A switch parks the resident into a buffer an earlier unpark freed: once two members
     have each been parked, turns allocate nothing while positions stay within the buffers'
     rows (a fresh buffer costs page faults on CPU), and both continue as if alone."""
-    from flashrt.capsules.copy import Copier
+    from flashrt.core.copy import Copier
     made = []
     for name in ("empty", "_fresh"):       # the two ways a capsule buffer is allocated
         real = getattr(Copier, name)

@@ -16,13 +16,13 @@ from safetensors.torch import load_file
 
 import flashrt
 from conftest import state_bytes
-from flashrt.arena import Arena
-from flashrt.layers import StepCtx
+from flashrt.core.arena import Arena
+from flashrt.core.step import StepCtx
 from flashrt.models import make_checkpoint
 from flashrt.models.smolvla import Model, SmolVLAConfig
 from flashrt.models.smolvla_checkpoint import policy_config, vlm_config
 from flashrt.models.smolvla_processor import load
-from flashrt.sampler import normal, seed_rng
+from flashrt.core.rng import normal, seed_rng
 
 GOLDEN = Path(__file__).resolve().parent / "golden" / "smolvla_tiny"
 TOL = 1e-4   # fp32, across implementations
@@ -167,7 +167,7 @@ def test_state_is_named_buffers_written_in_place(pol):
     obs = {k: torch.rand(s, generator=gen) for k, s in c.cameras}
     obs.update({"observation.state": torch.randn(c.state_dim, generator=gen), "task": "stack the cubes"})
     first = [pol.select_action(obs) for _ in range(c.n_action_steps + 1)]
-    # the queue ran dry once: two chunks of noise, 2 uniforms per normal (flashrt.sampler)
+    # the queue ran dry once: two chunks of noise, 2 uniforms per normal (flashrt.core.rng)
     assert int(state["noise.rng"][1]) == 2 * 2 * c.chunk_size * c.max_action_dim
     assert int(state["step"]) == c.n_action_steps + 1 and int(state["actions.head"]) == 1
     assert all(state[n].data_ptr() == p for n, p in ptrs.items())
@@ -176,7 +176,7 @@ def test_state_is_named_buffers_written_in_place(pol):
 
 def test_noise_rng_is_state(pol):
     """The same (seed, counter) gives the same chunk; another seed another chunk; the noise is
-    flashrt.sampler.normal's stream from [seed, counter]."""
+    flashrt.core.rng.normal's stream from [seed, counter]."""
     c = pol.net.config
     obs = {k: torch.rand(s, generator=torch.Generator().manual_seed(1)) for k, s in c.cameras}
     obs.update({"observation.state": torch.zeros(c.state_dim), "task": "open the drawer"})

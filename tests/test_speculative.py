@@ -7,10 +7,10 @@ import pytest
 import torch
 
 import flashrt
-from flashrt import acceptance as acc
-from flashrt import speculative as spec
-from flashrt.layers import StepCtx
-from flashrt.sampler import sample
+from flashrt.lm import acceptance as acc
+from flashrt.lm import speculative as spec
+from flashrt.core.step import StepCtx
+from flashrt.lm.sampler import sample
 
 ARCH, PROMPT, N = "qwen3_5", 12, 24
 LAYOUTS = ["multimodal", "text"]
@@ -370,8 +370,8 @@ def test_injected_drafter_on_models_without_mtp(arch, mechanism, runtime):
 def test_rule_and_conv_planes_are_the_states_after_each_position():
     """planes[t] is bitwise the state the same path leaves after positions [0, t]: the per-token
     gated delta rule, and both conv layouts (GDN (C, K-1), LFM2's (K-1, C))."""
-    from flashrt.layers import depthwise_causal_conv
-    from flashrt.linear_attn import causal_conv, recurrent_gated_delta_rule
+    from flashrt.nn.layers import depthwise_causal_conv
+    from flashrt.nn.linear_attn import causal_conv, recurrent_gated_delta_rule
     g = torch.Generator().manual_seed(3)
     T, Hk, Hv, D, C, K = 5, 2, 4, 8, 6, 4
     q, k = torch.randn(T, Hk, D, generator=g), torch.randn(T, Hk, D, generator=g)

@@ -38,7 +38,7 @@ def synth(key, tokens=None, parent=None, rows=None, fixed=None, single_use=False
     """A capsule-shaped object: fixed state, a token history, per-token rows from parent.position."""
     rng = _random.Random(_zlib.crc32(key.encode()))
     if tokens is None:
-        base = parent.tokens if parent is not None else []
+        base = parent.history if parent is not None else []
         tokens = base + [rng.randrange(512) for _ in range(rng.randint(1, 24))]
     n, row0 = len(tokens), (parent.position if parent is not None else 0)
     R = rows if rows is not None else rng.randint(8, 1024) * big
@@ -54,7 +54,7 @@ def synth(key, tokens=None, parent=None, rows=None, fixed=None, single_use=False
     data[off: off + (n - row0) * R] = _torch.frombuffer(bytearray(rng.randbytes((n - row0) * R) or b"\0"),
                                                         dtype=_torch.uint8)[: (n - row0) * R]
     ref = {"id": parent.id, "position": parent.position} if parent is not None else None
-    meta = _Meta(n, dict(FP), {}, parent=ref, single_use=single_use, extra={"id": "id-" + key})
+    meta = _Meta(n, dict(FP), {}, parent=ref, single_use=single_use, extra={"id": "id-" + key, "history": "meta.tokens"})
     cap = _Capsule(data, [e_fix, e_tok, e_kv], meta)
     cap.view("meta.tokens").copy_(_torch.tensor(tokens, dtype=_torch.int64))
     cap.parent_capsule = parent
@@ -105,7 +105,7 @@ while True:
                     os.read(go_r, 1)
                     try:
                         cap = st.take(key)
-                        r = "ok" if cap.tokens == synth(key, single_use=True).tokens else "wrong"
+                        r = "ok" if cap.history == synth(key, single_use=True).history else "wrong"
                     except CapsuleConsumedError:
                         r = "consumed"
                     except Exception as e:
@@ -242,9 +242,9 @@ def test_random_workload_budgets(tmp_path, with_disk):
                 del ref[key]
         else:
             key = rng.choice(live)
-            toks = ref[key].tokens
+            toks = ref[key].history
             cap, n = st.match(toks + [513], fingerprint=FP)
-            assert cap is not None and n >= len(toks) and cap.tokens == (toks + [513])[:n]
+            assert cap is not None and n >= len(toks) and cap.history == (toks + [513])[:n]
         gone = [k for k in ref if k not in st]
         n_ev += len(gone)
         for k in gone:
@@ -423,7 +423,7 @@ def test_single_use_take_threads(tmp_path, with_disk):
         st.put(synth(key, single_use=True), key)
         with pytest.raises(CapsuleError, match="single-use"):
             st.get(key)
-        assert st.match(synth(key).tokens) == (None, 0)
+        assert st.match(synth(key).history) == (None, 0)
         results = race(8, lambda i: "ok" if _same(st.take(key), synth(key, single_use=True)) else "wrong")
         assert sorted(results) == ["consumed"] * 7 + ["ok"], results
         assert key not in st

@@ -1,4 +1,4 @@
-"""The shipped trained model (flashrt/assets/pystdlib-qwen35, `python -m flashrt.train`):
+"""The shipped trained model (flashrt/assets/pystdlib-qwen35, `python -m flashrt.dev.train`):
 parity with transformers, its MTP layer as trained, its tokenizer, and speculative decoding."""
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import torch
 import flashrt
 from conftest import hf_logits, hf_reference
 from flashrt.assets import trained_model_path
-from flashrt.layers import StepCtx
-from flashrt.speculative import last_stats
+from flashrt.core.step import StepCtx
+from flashrt.lm.speculative import last_stats
 
 PROMPTS = (
     "import os\nimport sys\n\n\ndef main(argv):\n    if len(argv) < 2:\n",
@@ -63,8 +63,8 @@ def test_parity_with_transformers(path, rt):
 
 
 def test_mtp_layer_is_the_trained_module(path, rt):
-    """flashrt's draft head on the saved weights == flashrt.train's MTP module (what was trained)."""
-    from flashrt.train import Trainee
+    """flashrt's draft head on the saved weights == flashrt.dev.train's MTP module (what was trained)."""
+    from flashrt.dev.train import Trainee
     from safetensors.torch import load_file
     model = hf_reference(path)
     tr = Trainee(model.config)
@@ -133,11 +133,11 @@ def test_mtp_acceptance_is_well_above_zero(rt):
 
 
 def test_train_script_is_seeded_and_writes_a_loadable_checkpoint(tmp_path):
-    """flashrt.train end to end on a small corner of the stdlib (json/, 2 steps, tiny dims):
+    """flashrt.dev.train end to end on a small corner of the stdlib (json/, 2 steps, tiny dims):
     twice with the same seed gives the same weights and tokenizer; flashrt loads the result
     with its MTP layer and matches transformers."""
     import sysconfig
-    from flashrt.train import main
+    from flashrt.dev.train import main
     root = sysconfig.get_paths()["stdlib"] + "/json"
     args = ["--stdlib", root, "--val-every", "3", "--vocab", "320", "--hidden", "64",
             "--intermediate", "128", "--heads", "2", "--kv-heads", "1", "--head-dim", "32",

@@ -44,7 +44,7 @@ def run_case(T, Hq, Hkv, D, cap, L, dtype, split, seed, device="cpu"):
     """On CPU under the interpreter (main), or in-process on CUDA (tests/test_decode_attention.py)."""
     import torch
     from flashrt.kernels.decode_attention import decode_attention, decode_attention_ref
-    from flashrt.layers import attend_static
+    from flashrt.nn.layers import attend_static
     q, K, V, pos = _inputs(T, Hq, Hkv, D, cap, L, getattr(torch, dtype), seed, device)
     ref = decode_attention_ref(q, K, V, pos, D ** -0.5).float()
     out = decode_attention(q, K, V, pos, D ** -0.5, split=split)

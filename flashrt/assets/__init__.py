@@ -1,5 +1,7 @@
-"""Files shipped inside the package: the default model, trained here by `python -m flashrt.train`
-(a ~5M-parameter Qwen3.5-shaped hybrid on CPython's standard library; see README)."""
+"""Files shipped inside the package: the default model, trained here by `python -m flashrt.dev.train`
+(a ~5M-parameter Qwen3.5-shaped hybrid on CPython's standard library; see README).
+
+Rule: data and the path to it; imports nothing of flashrt."""
 from __future__ import annotations
 
 from pathlib import Path

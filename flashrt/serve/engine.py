@@ -16,7 +16,7 @@ import traceback
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
-from flashrt.inputs import common_prefix
+from flashrt.lm import common_prefix
 
 from .protocol import APIError
 from .text import TextStream

@@ -10,7 +10,8 @@ def build(model_dir, device="cpu", dtype=None, max_seq_len=4096, capsule_budget_
           capsule_redis=None, capsule_disk_mb=8192, session_idle_s=3600.0, draft_tokens=0):
     """(asgi app, engine): load the model with max_sessions sessions, wire the routes, and
     guard every path (API key when given, body size limit)."""
-    import flashrt
+    from flashrt.lm import load as load_lm
+
     from .app import MAX_BODY, Guard, create_app
     from .engine import Engine
     from .text import ChatTemplate
@@ -24,8 +25,8 @@ def build(model_dir, device="cpu", dtype=None, max_seq_len=4096, capsule_budget_
         raise ValueError(f"--capsule-disk-mb and --session-idle-s must be > 0, got "
                          f"{capsule_disk_mb} and {session_idle_s}")
     def load():
-        return flashrt.load(model_dir, device=device, dtype=dtype, max_seq_len=max_seq_len,
-                            sessions=max_sessions, seed=seed)
+        return load_lm(model_dir, device=device, dtype=dtype, max_seq_len=max_seq_len,
+                       sessions=max_sessions, seed=seed)
     shared = None
     if capsule_redis:                   # a fleet-shared tier below this server's own
         from flashrt.capsules.redis_tier import RedisTier

@@ -69,7 +69,7 @@ class Tiers:
             if cap is None:
                 return
             try:
-                toks = tuple(cap.tokens)
+                toks = tuple(cap.history)
                 key = self.disk.put(cap)
                 # a turn file made redundant by this one (same conversation, shorter) goes;
                 # files the budget evicted are forgotten
@@ -106,7 +106,7 @@ class Tiers:
             self.mem.put(cap)
         except (ValueError, CapsuleError):
             pass                                       # too big, or already there: reuse by tokens
-        return cap.tokens
+        return cap.history
 
     def close(self) -> None:
         if self.shared is not None:

@@ -1,0 +1,153 @@
+"""Loading a Hugging Face-format checkpoint directory into one of our model files.
+
+No transformers model class runs here: config.json picks the model file by model_type,
+safetensors tensors are mapped by name onto a meta-device build and assigned in place.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from flashrt.errors import ConfigError, WeightError
+from flashrt.nn.linear import select_linear_kernel
+from .registry import model_module
+from .tokenizer import load_tokenizer
+
+_DEVICE_DTYPES = {"cpu": (torch.float32, torch.bfloat16),
+                  "cuda": (torch.float32, torch.bfloat16, torch.float16)}
+_DTYPE_NAMES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+                "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+
+
+@dataclass
+class LoadedModel:
+    """What sessions share: weights, config, tokenizer, identity. Sessions own everything else."""
+    path: Path
+    net: torch.nn.Module
+    model_type: str
+    hf_config: dict
+    dtype: torch.dtype
+    device: torch.device
+    tokenizer: object
+    eos_ids: tuple
+    fingerprint: dict          # model_type, config, weights, dtype (the layout is the arena's)
+    info: dict                 # flashrt_checkpoint.json when present (random-weight marker)
+    linear_kernel: str = "aten"   # matmul path of every projection (layers.select_linear_kernel)
+
+    @property
+    def random_weights(self) -> bool:
+        return bool(self.info.get("random_weights"))
+
+
+def resolve_dtype(dtype, device: torch.device, config_dtype: str | None) -> torch.dtype:
+    if dtype is None:   # fp32 on CPU: without AVX512-BF16/AMX, bf16 matmuls are emulated and slow
+        return torch.float32 if device.type == "cpu" else _DTYPE_NAMES.get(config_dtype, torch.bfloat16)
+    if isinstance(dtype, str):
+        if dtype not in _DTYPE_NAMES:
+            raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(_DTYPE_NAMES)}")
+        dtype = _DTYPE_NAMES[dtype]
+    if dtype not in _DEVICE_DTYPES.get(device.type, ()):
+        raise ValueError(f"dtype {dtype} is not supported on {device.type}; "
+                         f"supported: {[str(d) for d in _DEVICE_DTYPES.get(device.type, ())]}")
+    return dtype
+
+
+def _weight_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        missing = [f for f in files if not (path / f).exists()]
+        if missing:
+            raise WeightError(f"{path}: shard(s) listed in the index are missing: {missing}")
+        return [path / f for f in files]
+    single = path / "model.safetensors"
+    if single.exists():
+        return [single]
+    raise WeightError(f"{path}: no model.safetensors or model.safetensors.index.json")
+
+
+def _eos_ids(path: Path, cfg: dict) -> tuple:
+    gen = path / "generation_config.json"
+    eos = json.loads(gen.read_text()).get("eos_token_id") if gen.exists() else None
+    if eos is None:
+        eos = cfg.get("eos_token_id", (cfg.get("text_config") or {}).get("eos_token_id"))
+    if eos is None:
+        return ()
+    return tuple(eos) if isinstance(eos, list) else (eos,)
+
+
+def load_model(path, device="cpu", dtype=None, linear_kernel: str = "auto") -> LoadedModel:
+    path = Path(path)
+    if not (path / "config.json").exists():
+        raise FileNotFoundError(f"{path}: no config.json (expected a Hugging Face checkpoint directory)")
+    device = torch.device(device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' requested but torch has no CUDA device")
+    hf = json.loads((path / "config.json").read_text())
+    mod = model_module(hf)
+    config = mod.CONFIG.from_hf(hf)
+    dtype = resolve_dtype(dtype, device, hf.get("torch_dtype") or hf.get("dtype"))
+    with torch.device("meta"):
+        net = mod.Model(config)
+    digest = _assign_weights(net, _weight_files(path), device, dtype)
+    net.materialize_buffers(device)
+    net.eval()
+    kernel = select_linear_kernel(net, device, dtype, linear_kernel)
+    info_file = path / "flashrt_checkpoint.json"
+    info = json.loads(info_file.read_text()) if info_file.exists() else {}
+    cfg_digest = hashlib.sha256(json.dumps(asdict(config), sort_keys=True, default=str).encode())
+    fingerprint = {"model_type": net.model_type, "config": cfg_digest.hexdigest()[:16],
+                   "weights": digest, "dtype": str(dtype).replace("torch.", "")}
+    return LoadedModel(path, net, net.model_type, hf, dtype, device,
+                       load_tokenizer(path, config.vocab_size), _eos_ids(path, hf), fingerprint, info,
+                       kernel)
+
+
+def _assign_weights(net, files, device, dtype) -> str:
+    """Map, check and assign every tensor; returns a digest of the on-disk weights."""
+    expected = {k: v for k, v in net.state_dict().items()}
+    fp32 = net.fp32_params
+    loaded, tensors = {}, []
+    for f in files:
+        with safe_open(str(f), framework="pt", device="cpu") as sf:
+            for name in sf.keys():
+                ours = net.map_weight_name(name)
+                if ours is None:
+                    continue
+                if ours not in expected:
+                    raise WeightError(f"unexpected weight {name!r} in {f.name} (no parameter {ours!r})")
+                t = sf.get_tensor(name)
+                if tuple(t.shape) != tuple(expected[ours].shape):
+                    raise WeightError(f"weight {name!r}: shape {tuple(t.shape)} in checkpoint, "
+                                      f"model expects {tuple(expected[ours].shape)}")
+                tensors.append((name, t))
+                want = torch.float32 if any(ours.endswith(s) for s in fp32) else dtype
+                loaded[ours] = t.to(device=device, dtype=want)
+    missing = sorted(set(expected) - set(loaded) - net.optional_weights(set(loaded)))
+    if missing:
+        raise WeightError(f"missing weight(s): {missing[:8]}{' ...' if len(missing) > 8 else ''}")
+    net.on_weights_loaded(set(loaded))
+    net.load_state_dict(loaded, strict=False, assign=True)
+    still_meta = [n for n, p in net.named_parameters() if p.is_meta]
+    if still_meta:   # optional weights that were absent: the model must have dropped their modules
+        raise WeightError(f"parameters left without weights: {still_meta[:8]}")
+    return weights_digest(tensors)
+
+
+def weights_digest(tensors) -> str:
+    """One digest of (name, tensor) pairs whatever the build (capsules made by any install of
+    the same weights fit): sha256 per tensor, hashed on all cores (hashlib drops the GIL)."""
+    def one(item):
+        name, t = item
+        raw = t.contiguous().view(-1).view(torch.uint8).numpy()
+        return f"{name}:{t.dtype}:{tuple(t.shape)}:{hashlib.sha256(raw).hexdigest()[:16]}"
+    with ThreadPoolExecutor(max(1, min(8, os.cpu_count() or 1))) as ex:
+        lines = sorted(ex.map(one, tensors))
+    return "sha256:" + hashlib.sha256("\n".join(lines).encode()).hexdigest()[:16]

@@ -1,0 +1,102 @@
+"""The model protocol: what a model file implements to run on a Session.
+
+A model owns weights and declares its state; it never allocates state itself. A Session gives
+it an arena (name -> fixed-address view) and a StepCtx; the model reads and writes its named
+buffers in place, so the same forward runs eagerly on CPU and inside a captured CUDA graph.
+
+Required: `state_specs`, `input_specs`, `forward`, and a module-level `CONFIG` with
+`from_hf(dict)` in the model file. Everything else below is an optional hook with a default.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from flashrt.core.arena import BufferSpec
+from flashrt.core.step import StepCtx
+from flashrt.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class InputSpec:
+    """One named per-position input of a step: a tensor of shape (T, *shape)."""
+    name: str
+    shape: tuple = ()                   # per-position trailing shape
+    dtype: torch.dtype | None = None    # None: the model's activation dtype
+    doc: str = ""
+
+
+class StatefulModel(nn.Module):
+    """Base class of every model (language models, policies, speech models)."""
+    model_type: str = ""
+    fp32_params: tuple = ()             # parameter-name suffixes loaded in float32
+    # forward() honours ctx.planes: with it, every fixed (recurrent/conv) buffer's value after
+    # each position t is also written to ctx.planes[name][t] (needs all_positions=True)
+    state_planes: bool = False
+
+    # ---- required ---------------------------------------------------------------------
+    def state_specs(self, capacity: int, dtype: torch.dtype) -> list[BufferSpec]:
+        """Named buffers this model reads and writes; capacity = the per-token row count."""
+        raise NotImplementedError
+
+    def input_specs(self, dtype: torch.dtype) -> list[InputSpec]:
+        """Inputs forward() accepts; a step passes any non-empty subset the model allows."""
+        raise NotImplementedError
+
+    def forward(self, inputs: dict, ctx: StepCtx, state, all_positions: bool | str = False) -> dict:
+        """Advance the state by ctx.T positions; returns named outputs of the last position, of
+        all (True), or for language models "hidden": hidden of all, logits of the last."""
+        raise NotImplementedError
+
+    # ---- optional hooks ---------------------------------------------------------------
+    def map_weight_name(self, name: str) -> str | None:
+        """Checkpoint tensor name -> parameter name; None: known, not used here."""
+        return name
+
+    def optional_weights(self, present: set) -> set:
+        """Parameters that may be absent from the checkpoint, given the names present."""
+        return set()
+
+    def on_weights_loaded(self, present: set) -> None:
+        """Called once after weights are assigned (e.g. drop a module whose weights were absent)."""
+
+    def materialize_buffers(self, device) -> None:
+        """Recompute non-persistent buffers after a meta-device build (modules with rebuild())."""
+        for m in self.modules():
+            if m is not self and hasattr(m, "rebuild"):
+                m.rebuild(device)
+
+    # ---- optional draft head (speculative decoding) -------------------------------------
+    @property
+    def has_draft_head(self) -> bool:
+        return False
+
+    def draft(self, ids: torch.Tensor, hidden: torch.Tensor, ctx: StepCtx, state, last_only: bool = False):
+        """ids (T,) = tokens at p+1, hidden (T, H) = the model's hidden at p, ctx.positions = p.
+        Writes the head's own state rows p; returns ((T, vocab) logits for p+2 (last_only: (1,
+        vocab), a prefill writing rows), (T, H) hidden)."""
+        raise NotImplementedError(f"{self.model_type} has no draft head")
+
+
+# ---- config checks for CONFIG.from_hf ------------------------------------------------------
+def require(cfg: dict, key: str, model_type: str):
+    if key not in cfg:
+        raise ConfigError(f"{model_type} config: missing field {key!r}")
+    return cfg[key]
+
+
+def check(cond: bool, model_type: str, field: str, why: str) -> None:
+    if not cond:
+        raise ConfigError(f"{model_type} config: unsupported {field}: {why}")
+
+
+def check_rope(cfg: dict, model_type: str) -> dict:
+    """rope_parameters (default rope only, as is rope_scaling when present); returns them."""
+    rope, scaling = cfg.get("rope_parameters") or {}, cfg.get("rope_scaling")
+    check(not scaling or scaling.get("rope_type", scaling.get("type")) == "default", model_type,
+          "rope_scaling", f"{scaling} (only default rope is implemented)")
+    check(rope.get("rope_type", "default") == "default", model_type, "rope_parameters.rope_type",
+          f"{rope.get('rope_type')} (only default rope is implemented)")
+    return rope

@@ -1,0 +1,137 @@
+"""Projection matmuls: one `linear` every model file's projections and heads call, and the
+choice of kernel per load (oneDNN, the extension's small-M kernel, or F.linear), probed once.
+
+The compile custom op keeps the chosen kernel whole inside torch.compile'd bodies."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from flashrt import native
+
+
+LINEAR_KERNELS = ("aten", "onednn", "flashrt")
+# "flashrt" resolves to this for bf16 weights where oneDNN has no bf16 inner product (AVX2-only
+# CPUs): there F.linear's bf16 GEMM runs ~0.5 ms per row of a 3584x1024 weight (bench/linear.py)
+WIDEN = "flashrt-widen"
+
+
+def small_m_rows(kernel: str, dtype: torch.dtype) -> tuple[int, int]:
+    """Rows [lo, hi] of a step that the small-M kernel takes under `kernel`."""
+    if dtype == torch.float32:
+        return 2, native.SMALL_M_MAX
+    if dtype == torch.bfloat16:
+        return 1, native.SMALL_M_MAX if kernel == WIDEN else native.SMALL_M_MAX_BF16
+    return 1, 0
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, kernel: str = "aten"):
+    """x @ w.T (+ b). kernel "onednn": oneDNN's inner product on the unchanged (out, in) weight,
+    the op torch.compile's CPU backend emits; "flashrt": the same, except a few rows (a decode
+    step in bf16; a short step in either: a user turn, a speculative verify) go to the
+    extension's small-M kernel: float32 at 2..SMALL_M_MAX rows, bf16 weights at
+    1..SMALL_M_MAX_BF16 (summed in float32, rounded to bf16 once); WIDEN: bf16 weights at
+    1..SMALL_M_MAX rows on the small-M kernel, longer steps on oneDNN in float32 from weights
+    widened per call (exact), rounded to bf16 once; "aten": F.linear."""
+    if kernel != "aten" and torch.compiler.is_compiling():
+        y = torch.ops.flashrt.linear(x, w, kernel)    # opaque to inductor: our kernels, not F.linear
+        return y if b is None else y + b
+    if kernel == "aten":
+        return F.linear(x, w, b)
+    lo, hi = small_m_rows(kernel, x.dtype)
+    if (kernel != "onednn" and x.dim() == 2 and lo <= x.shape[0] <= hi and w.is_contiguous()
+            and w.dtype == x.dtype):
+        # a strided x (e.g. Gated DeltaNet's output, (T, 2048) in the Qwen3.5 shape) is a few
+        # KiB to copy; oneDNN would stream the weights at half the speed
+        y = native.small_m_linear(x.contiguous().float(), w)
+    elif kernel == WIDEN and x.dtype == torch.bfloat16:
+        # (out, in) float32 copy per call: at >32 rows the GEMM outweighs widening the weight
+        y = torch.ops.mkldnn._linear_pointwise(x.float(), w.float(), None, "none", [], "")
+    else:
+        y = torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+        return y if b is None else y + b
+    y = y if b is None else y + b          # float32 + a bf16 bias: still float32
+    return y.to(x.dtype)
+
+
+@torch.library.custom_op("flashrt::linear", mutates_args=())
+def _linear_op(x: torch.Tensor, w: torch.Tensor, kernel: str) -> torch.Tensor:
+    """linear() without bias as one op torch.compile keeps whole (the oneDNN and small-M
+    kernels are not traceable); eager calls go to linear() directly."""
+    return linear(x, w, None, kernel)
+
+
+@_linear_op.register_fake
+def _(x, w, kernel):
+    return x.new_empty((*x.shape[:-1], w.shape[0]))
+
+
+class Linear(nn.Linear):
+    """nn.Linear (same parameters, same checkpoint names) whose matmul kernel is chosen at load
+    (`select_linear_kernel`); every model file uses it for its projections."""
+    kernel = "aten"
+
+    def forward(self, x):
+        return linear(x, self.weight, self.bias, self.kernel)
+
+
+def select_linear_kernel(net: nn.Module, device: torch.device, dtype: torch.dtype, want: str = "auto") -> str:
+    """Set the kernel of every Linear in `net` (and `net.linear_kernel`, for heads); returns it.
+
+    auto: oneDNN on CPU when it runs this dtype here and agrees with F.linear on a probe
+    (measured on a 2-core AVX2 EPYC, fp32: one-token steps 2-3x faster than MKL's GEMV for
+    (out, in) weights, 512-token prefill GEMMs 10-20% faster), with short steps on the
+    extension's small-M kernel where it runs (x86-64 AVX2 + FMA, torch's OpenMP; fp32 at 2-32
+    rows, bf16 at 1-8: faster than oneDNN there, bench/linear.py); for bf16 where oneDNN has no
+    bf16 inner product (AVX2 only) the small-M kernel up to 32 rows and oneDNN on widened weights
+    above (WIDEN); aten elsewhere (CUDA; CPUs with neither)."""
+    if want not in ("auto",) + LINEAR_KERNELS:
+        raise ValueError(f"linear kernel {want!r}: expected auto, aten, onednn or flashrt")
+    kernel = "aten"
+    if want != "aten":
+        no_onednn = _onednn_unusable(device, dtype)
+        no_small_m = None if want == "onednn" else _small_m_unusable(dtype)
+        widen = (no_onednn and want != "onednn" and not no_small_m and dtype == torch.bfloat16
+                 and not _onednn_unusable(device, torch.float32))
+        if widen:
+            kernel = WIDEN
+        elif no_onednn or (want == "flashrt" and no_small_m):
+            if want != "auto":
+                raise ValueError(f"linear kernel {want!r} unavailable: {no_onednn or no_small_m}")
+        else:
+            kernel = "onednn" if no_small_m else "flashrt"
+    for m in net.modules():
+        if isinstance(m, Linear):
+            m.kernel = kernel
+    net.linear_kernel = kernel
+    return kernel
+
+
+def _onednn_unusable(device: torch.device, dtype: torch.dtype) -> str | None:
+    if device.type != "cpu":
+        return f"device {device.type} (oneDNN linear is a CPU path)"
+    if not torch.backends.mkldnn.is_available():
+        return "this torch build has no oneDNN (mkldnn)"
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(3, 64, generator=g).to(dtype), torch.randn(48, 64, generator=g).to(dtype)
+    try:
+        y = linear(x, w, kernel="onednn")
+    except RuntimeError as e:
+        return f"oneDNN refused a {dtype} inner product on this CPU ({str(e).splitlines()[0][:80]})"
+    ref = F.linear(x.float(), w.float())
+    if not torch.allclose(y.float(), ref, rtol=2e-2, atol=2e-2 * float(ref.abs().max())):
+        return "oneDNN probe disagreed with F.linear"
+    return None
+
+
+def _small_m_unusable(dtype: torch.dtype) -> str | None:
+    if dtype not in (torch.float32, torch.bfloat16):
+        return f"the small-M kernel takes float32 or bfloat16 weights, not {dtype}"
+    if not native.SMALL_M_LINEAR:
+        return f"the extension's small-M kernel does not run here ({native.ext_status()})"
+    g = torch.Generator().manual_seed(1)
+    x, w = torch.randn(5, 67, generator=g), torch.randn(13, 67, generator=g).to(dtype)
+    if not torch.allclose(native.small_m_linear(x, w), F.linear(x, w.float()), rtol=1e-4, atol=1e-4):
+        return "small-M kernel probe disagreed with F.linear"
+    return None
