@@ -432,7 +432,7 @@ def test_overlapping_entries_are_refused_with_a_valid_checksum(tmp_path):
     good = flashrt.load_capsule(path)
     assert flashrt.load_capsule(path).entries is good.entries               # one parsed table
     with pytest.raises(ValueError):
-        good.file_cache["table"].offsets[0] = 1                              # shared: read-only
+        good.plans[("file", "table")].offsets[0] = 1                              # shared: read-only
     path.write_bytes(_with_header_replaced(path.read_bytes(), row(e1, e1.offset), row(e1, e0.offset)))
     with pytest.raises(CapsuleCorruptError, match="c.cap: entry offsets overlap"):
         flashrt.load_capsule(path)

@@ -168,9 +168,9 @@ def _prepared(cap: Capsule, who: str):
     for e in cap.entries:
         if e.name == "__metadata__" or e.offset < 0 or e.offset + e.nbytes > cap.data.numel():
             raise ValueError(f"{who}: entry {e.name!r} is reserved or outside the capsule data")
-    cached = cap.file_cache.get("header")
+    cached = cap.plans.get(("file", "header"))
     if cached is None or cached[0] is not cap.entries:
-        cached = cap.file_cache["header"] = (cap.entries, _entry_parts(cap.entries), _spans(cap.entries))
+        cached = cap.plans[("file", "header")] = (cap.entries, _entry_parts(cap.entries), _spans(cap.entries))
     return cap, cached
 
 
@@ -382,7 +382,7 @@ def load(path, device="cpu", into: Capsule | None = None) -> Capsule:
 
 
 def _load(fd: int, path, into: Capsule | None = None) -> Capsule:
-    known = into.file_cache.get("table") if into is not None else None
+    known = into.plans.get(("file", "table")) if into is not None else None
     if known is not None:
         cap = _load_known(fd, path, into, known)
         if cap is not None:
@@ -434,7 +434,7 @@ def _filled(into: Capsule | None, data, table: _Table, meta: CapsuleMeta) -> Cap
     else:
         cap = into
         cap.refill(table.entries, meta)
-    cap.file_cache["table"] = table
+    cap.plans[("file", "table")] = table
     return cap
 
 
@@ -443,12 +443,12 @@ def _load_known(fd: int, path, into: Capsule, table: _Table) -> Capsule | None:
     native call: at 1-4 MiB the per-file Python work cost as much as reading the bytes. None:
     the file is for the general reader (no extension, a header not as save writes it, another
     table or format); `into` is then as before."""
-    span = into.file_cache.get("span")
+    span = into.plans.get(("file", "span"))
     if span is None:      # the buffer never moves: checked and kept once
         d = into.data
         if d.dtype != torch.uint8 or d.dim() != 1 or not d.is_contiguous():
             raise ValueError("load(into=): the capsule buffer is not a contiguous 1-D uint8 tensor")
-        span = into.file_cache["span"] = (d.data_ptr(), d.numel())
+        span = into.plans[("file", "span")] = (d.data_ptr(), d.numel())
     saved = into.entries, into.meta
     into.emptied()                         # before any byte lands
     res = load_known_table(fd, _META_KEYS, (*_FIXED, ("entries", table.text)), *span,

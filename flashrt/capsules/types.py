@@ -88,10 +88,9 @@ class Capsule:
         self._claim = threading.Lock()
         self._consumed = False
         self.parent_capsule: Capsule | None = None   # delta capsules: rows below row0 live here
-        # Caches derived from the (immutable) entry table and the never-rebound buffer, each
-        # owned by one module: copy plans (capsules.copy) and file tables (capsules.format).
-        self.copy_cache: dict = {}
-        self.file_cache: dict = {}
+        # Plans derived from the (immutable) entry table and the never-rebound buffer, keyed
+        # (owner, ...): copy plans ("copy": core/copy.py), file tables ("file": format.py).
+        self.plans: dict = {}
 
     @property
     def entries(self) -> tuple:

@@ -92,6 +92,8 @@ class Copier:
 
     def __init__(self, arena: Arena):
         self.arena = arena
+        # address tables per entry table, moved onto each new buffer of that layout (a fresh
+        # snapshot is a new buffer each time, so a per-capsule plan cannot serve it)
         self._tables: dict = {}
 
     def _keep(self, key, table) -> None:
@@ -102,10 +104,10 @@ class Copier:
     def _remember(self, cap: Capsule, key, made_for, plan) -> None:
         """A plan cached on the capsule, valid while this copier (and its arena) is alive and
         the capsule still matches made_for (its entry table, or more)."""
-        plans = cap.copy_cache
+        plans = cap.plans
         if len(plans) > _MAX_PLANS:
             plans.clear()
-        plans[key] = (weakref.ref(self), made_for, plan)
+        plans[("copy",) + key] = (weakref.ref(self), made_for, plan)
 
     # ---- buffers ------------------------------------------------------------------------
     def empty(self, max_tokens: int, fingerprint: dict, pin: bool = False, device=None) -> Capsule:
@@ -153,7 +155,7 @@ class Copier:
             cap.parent_capsule = parent
             return cap
         key = ("snap", position, fixed_only, row0)
-        hit = into.copy_cache.get(key)       # checked when built; the buffer never moves
+        hit = into.plans.get(("copy",) + key)       # checked when built; the buffer never moves
         if hit is not None and hit[0]() is self:
             entries, seg = hit[1], hit[2]
         else:
@@ -194,7 +196,7 @@ class Copier:
         if isinstance(cap, Capsule) and not cap.is_delta:
             meta = cap.meta
             made_for = (cap.entries, meta.fingerprint, meta.position, fingerprint, max_seq_len)
-            hit = cap.copy_cache.get(("checked", kinds))
+            hit = cap.plans.get(("copy", "checked", kinds))
             if hit is not None and hit[0]() is self and hit[1] == made_for:
                 return hit[2], [cap]
         chain = self.check_fits(cap, fingerprint, max_seq_len)
@@ -208,7 +210,7 @@ class Copier:
             return self._restore_plan(cap, kinds, chain or cap.chain())
         entries = cap.entries                 # keyed by the table: a rewritten capsule replans
         key = ("restore", kinds, id(entries))
-        hit = cap.copy_cache.get(key)
+        hit = cap.plans.get(("copy",) + key)
         if hit is not None and hit[0]() is self and hit[1] is entries:
             return hit[2]
         # another capsule with this very entry table (fresh snapshots share theirs) left its
