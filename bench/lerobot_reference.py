@@ -20,7 +20,7 @@ What it writes (random weights, seeded; nothing comes from a hub):
 - the policy exactly as LeRobot saves it: config.json, model.safetensors (LeRobot's parameter
   names), policy_preprocessor.json / policy_postprocessor.json + their normalizer safetensors,
   and vlm/ (the local SmolVLM directory config.json's vlm_model_name points at, written by
-  models/smolvla_checkpoint.py: config + a `tokenizers`-built tokenizer);
+  flashrt/models/smolvla_checkpoint.py: config + a `tokenizers`-built tokenizer);
 - golden.safetensors + golden.json: for each case the raw observation (images in [0, 1], state,
   task text), the noise, the preprocessed batch, vision-tower + connector output per camera, the
   prefix embeddings, layer-0 and last-layer prefix K/V, the normalised action chunk, the

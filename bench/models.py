@@ -173,7 +173,7 @@ def fork_costs(rt, state, a, tables, lab) -> dict:
     t.add("snapshot(into) + restore", st["copies"].ms(), "")
     t.notes.append("a shared fork holds its state in a capsule while the other runs: each turn "
                    "switch parks one state (into a buffer an earlier switch freed) and unparks "
-                   "another (flashrt/slots.py); the fork's own snapshot takes fresh memory",
+                   "another (flashrt/core/shared.py); the fork's own snapshot takes fresh memory",
                    "two switches: a difference of two medians of whole decode pairs, so it says "
                    "something only where the state copied is large next to the decodes' noise")
     tables.append(t)

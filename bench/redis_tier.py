@@ -1,6 +1,6 @@
 """Shared Redis tier: turn 2 of a conversation on another node.
 
-Node A ran turn 1 and published its capsule to Redis (capsules/redis_tier.py). Node B, with an
+Node A ran turn 1 and published its capsule to Redis (flashrt/capsules/redis_tier.py). Node B, with an
 empty local store, gets turn 2 (turn 1's context + a user message): with the shared tier it
 fetches turn 1's capsule and prefills only the new tokens; without it, it re-prefills all of
 them. Second table: the tier's fetch (lookup + chunks + checksum + capsule) against a plain MGET

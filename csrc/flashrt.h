@@ -84,7 +84,7 @@ enum class KnownLoad {
   kMismatch,  // checksum mismatch (*md parsed; buffer written)
 };
 
-// Loads a capsule file (format 2, see capsules/format.py) whose metadata has
+// Loads a capsule file (format 4, see flashrt/capsules/format.py) whose metadata has
 // exactly the keys `keys`, with the values `fixed` for some of them: among
 // those the "entries" table the segments (the payload stream in file order)
 // and the gaps (zeroed) were derived from. Anything else about the header is

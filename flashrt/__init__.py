@@ -54,7 +54,7 @@ def load_policy(path, device="cpu", dtype=None, seed: int = 0):
 
 def __getattr__(name):
     # Lazy: importing flashrt stays cheap and free of torch work until used.
-    if name in ("Runtime", "LanguageModel"):
+    if name == "LanguageModel":
         from .lm import LanguageModel
         return LanguageModel
     if name == "Session":
@@ -66,7 +66,7 @@ def __getattr__(name):
     raise AttributeError(f"module 'flashrt' has no attribute {name!r}")
 
 
-__all__ = ["load", "load_policy", "Runtime", "LanguageModel", "Session", "Capsule", "save_capsule",
+__all__ = ["load", "load_policy", "LanguageModel", "Session", "Capsule", "save_capsule",
            "load_capsule", "FlashRTError", "ArenaError", "ConfigError", "WeightError",
            "CapsuleError", "CapsuleMismatchError", "CapsuleCorruptError", "CapsuleConsumedError",
            "__version__"]

@@ -1,4 +1,4 @@
-"""Capsule files (capsules/format.py): round trip, safetensors compatibility, damage detection,
+"""Capsule files (flashrt/capsules/format.py): round trip, safetensors compatibility, damage detection,
 atomic replacement. Capsules are built by hand so no model is needed (one test uses qwen3 tiny)."""
 import json
 import os

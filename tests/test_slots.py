@@ -1,4 +1,4 @@
-"""Forks that take turns in one arena and its graph bodies (flashrt/slots.py): a fork costs a
+"""Forks that take turns in one arena and its graph bodies (flashrt/core/shared.py): a fork costs a
 state copy, not a capture, and every member continues bitwise as if it had run alone."""
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """CapsuleStore: tiers and budgets under a random workload, LRU order, delta parents, crash
 safety under SIGKILL, single-use claims across threads and processes, longest-prefix reuse
-through Runtime.set_context, and serialisation of runtime ops across threads."""
+through LanguageModel.set_context, and serialisation of runtime ops across threads."""
 from __future__ import annotations
 
 import os
@@ -609,7 +609,7 @@ def test_set_context_paths(arch, runtime, tmp_path):
 
 # ---- runtime serialisation -----------------------------------------------------------------------
 class _RecordingLock:
-    """Stands in for Runtime._lock: logs the op that takes it first (outermost), in order."""
+    """Stands in for LanguageModel._lock: logs the op that takes it first (outermost), in order."""
 
     def __init__(self, log):
         self._l, self._tls, self.log = threading.RLock(), threading.local(), log
@@ -628,7 +628,7 @@ class _RecordingLock:
         self._l.release()
 
     def acquire(self, *a, **k):
-        raise AssertionError("Runtime used its lock without `with`: not recorded")
+        raise AssertionError("LanguageModel used its lock without `with`: not recorded")
 
     release = acquire
 

@@ -14,5 +14,5 @@ def trained_model_path(name: str = DEFAULT_MODEL) -> Path:
     path = Path(__file__).resolve().parent / name
     if not (path / "config.json").exists():
         raise FileNotFoundError(f"{path}: no shipped checkpoint {name!r} (retrain it with "
-                                f"`python -m flashrt.train --out {path}`)")
+                                f"`python -m flashrt.dev.train --out {path}`)")
     return path

@@ -6,7 +6,7 @@ Corpus: every *.py under sysconfig.get_paths()["stdlib"] (site-packages excluded
 path; every `--val-every`-th file is held out. Tokenizer: byte-level BPE trained on the
 training files with `tokenizers`. Trunk: transformers' Qwen3_5ForCausalLM (Gated DeltaNet +
 gated attention). MTP: our module below, trained jointly to predict the token after next,
-saved under the released names `mtp.*` exactly as models/qwen3_5.py `Model.draft` consumes it.
+saved under the released names `mtp.*` exactly as flashrt/models/qwen3_5.py `Model.draft` consumes it.
 """
 from __future__ import annotations
 
