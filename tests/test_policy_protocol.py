@@ -13,6 +13,8 @@ from conftest import state_bytes
 from flashrt.capsules import CapsuleStore
 from flashrt.errors import CapsuleMismatchError
 from flashrt.models import model_module
+from flashrt.models.base import PolicyModel
+from flashrt.models.loader import fingerprint
 from flashrt.models.tiny_vla import Model, TinyVLAConfig, random_model
 from flashrt.policy import Policy
 from flashrt.core.rng import normal, seed_rng, uniform, uniforms
@@ -196,6 +198,40 @@ def test_not_a_policy_model_refused():
         Policy(NoQueue(CFG))
     with pytest.raises(ValueError, match=r"actions.head \(meta, \(1,\), torch.int64\)"):
         Policy(WrongHead(CFG))
+
+
+def test_policy_model_is_a_declared_class():
+    """The contract is flashrt.models.protocol.PolicyModel: a model of another class, one that
+    leaves a declared attribute unset, or one whose action width exceeds the noise is refused."""
+    class NoActionDim(Model):
+        def __init__(self, c):
+            super().__init__(c)
+            del self.action_dim
+
+    class TooWide(Model):
+        def __init__(self, c):
+            super().__init__(c)
+            self.action_dim = c.action_dim + 1
+    assert isinstance(Model(CFG), PolicyModel) and set(PolicyModel.__annotations__) == \
+        {"prefix_len", "obs_shapes", "noise_shape", "action_dim"}
+    with pytest.raises(TypeError, match="Linear is not a policy model.*PolicyModel"):
+        Policy(torch.nn.Linear(2, 2))
+    with pytest.raises(ValueError, match=r"NoActionDim does not set .*'action_dim' \(int\)"):
+        Policy(NoActionDim(CFG))
+    with pytest.raises(ValueError, match=r"action_dim 5; expected .*action_dim <= noise_dim"):
+        Policy(TooWide(CFG))
+
+
+def test_default_fingerprint_is_the_loaders(net):
+    """A policy over weights built in memory is fingerprinted by the loader's one function:
+    other weights change only "weights", another dtype "weights" and "dtype"."""
+    fp = {k: v for k, v in Policy(net).fingerprint.items() if k != "layout"}
+    assert fp == fingerprint(net, torch.float32) and fp["model_type"] == "tiny_vla"
+    other = fingerprint(random_model(CFG, seed=1), torch.float32)
+    assert {k for k in fp if fp[k] != other[k]} == {"weights"}
+    half = fingerprint(random_model(CFG, seed=0, dtype=torch.bfloat16), torch.bfloat16)
+    assert {k for k in fp if fp[k] != half[k]} == {"weights", "dtype"}
+    assert Policy(net, fingerprint=dict(fp, weights="given")).fingerprint["weights"] == "given"
 
 
 def test_noise_stream_is_counter_based():

@@ -4,15 +4,21 @@ files and the store round-trip, foreign capsules are refused with the state unto
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 import flashrt
 from conftest import state_bytes
 from flashrt.capsules import CapsuleStore
-from flashrt.errors import CapsuleMismatchError
+from flashrt.errors import CapsuleMismatchError, WeightError
 from flashrt.models import make_checkpoint
+from flashrt.models.loader import weights_digest
+from flashrt.models.smolvla import Model as SmolVLA
+from flashrt.models.smolvla_processor import load_with_fingerprint
+from flashrt.policy import Policy
 
 # Shorter chunks than the released 50 x 10 steps keep the tests fast; no weight depends on them.
 N_ACTION_STEPS = 6       # a chunk every 6 actions (LeRobot allows n_action_steps <= chunk_size)
@@ -149,3 +155,47 @@ def test_foreign_capsule_refused_state_untouched(policy, make):
     with pytest.raises(CapsuleMismatchError):
         p.restore(other.snapshot())
     assert torch.equal(state_bytes(p), before)
+
+
+def test_fingerprint_is_the_shared_loaders(policy, make, ckpt):
+    """load_policy's fingerprint is the loader's: the digest of the tensors on disk, so another
+    load in another dtype differs in "dtype" only, and a Policy built over the same files with
+    that fingerprint takes the capsules of load_policy."""
+    fp = {k: v for k, v in policy.fingerprint.items() if k != "layout"}
+    used = [(k, t) for k, t in load_file(str(ckpt / "model.safetensors")).items()
+            if k not in SmolVLA.IGNORED]                     # the VLM's LM head and final norm
+    assert fp["weights"] == weights_digest(used) and fp["model_type"] == "smolvla"
+    half = make(dtype="bfloat16").fingerprint
+    assert {k for k in fp if fp[k] != half[k]} == {"dtype"}
+    net, proc, fp2 = load_with_fingerprint(ckpt)
+    assert fp2 == fp
+    p, q = fresh(policy, 3), Policy(net, fp2, processor=proc)
+    run(p, 0, 2)
+    cap, want = p.snapshot(), run(p, 2, 4)
+    q.restore(cap)
+    assert torch.equal(run(q, 2, 4), want)
+
+
+def test_weights_checked_by_the_shared_loader(ckpt, tmp_path):
+    """SmolVLA's weights go through loader.assign_weights: names its map_weight_name drops (the
+    VLM's LM head, layers past num_vlm_layers) load and stay out of the digest; a wrong shape or
+    a missing tensor is refused, named."""
+    def variant(name, edit):
+        d = tmp_path / name
+        shutil.copytree(ckpt, d)
+        t = load_file(str(d / "model.safetensors"))
+        edit(t)
+        save_file(t, str(d / "model.safetensors"))
+        return d
+    vlm = "model.vlm_with_expert.vlm.model.text_model.layers."
+    n_vlm = json.loads((ckpt / "config.json").read_text())["num_vlm_layers"]
+    deep = f"{vlm}{n_vlm}.mlp.up_proj.weight"
+    extra = variant("extra", lambda t: t.update({deep: t[f"{vlm}0.mlp.up_proj.weight"].clone()}))
+    assert load_with_fingerprint(extra)[2] == load_with_fingerprint(ckpt)[2]
+    name = f"{vlm}0.mlp.up_proj.weight"
+    wrong = variant("wrong", lambda t: t.update({name: t[name][:-1].clone()}))
+    with pytest.raises(WeightError, match=rf"{name}.*model expects"):
+        flashrt.load_policy(wrong)
+    gone = variant("gone", lambda t: t.pop(name))
+    with pytest.raises(WeightError, match=r"missing weight.*layers\.0\.mlp\.up_proj\.weight"):
+        flashrt.load_policy(gone)

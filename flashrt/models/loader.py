@@ -37,7 +37,7 @@ class LoadedModel:
     device: torch.device
     tokenizer: object
     eos_ids: tuple
-    fingerprint: dict          # model_type, config, weights, dtype (the layout is the arena's)
+    fingerprint: dict          # fingerprint(): model_type, config, weights, dtype (layout: the arena's)
     info: dict                 # flashrt_checkpoint.json when present (random-weight marker)
     linear_kernel: str = "aten"   # matmul path of every projection (layers.select_linear_kernel)
 
@@ -96,26 +96,26 @@ def load_model(path, device="cpu", dtype=None, linear_kernel: str = "auto") -> L
     dtype = resolve_dtype(dtype, device, hf.get("torch_dtype") or hf.get("dtype"))
     with torch.device("meta"):
         net = mod.Model(config)
-    digest = _assign_weights(net, _weight_files(path), device, dtype)
-    net.materialize_buffers(device)
+    digest = assign_weights(net, path, device, dtype)
     net.eval()
     kernel = select_linear_kernel(net, device, dtype, linear_kernel)
     info_file = path / "flashrt_checkpoint.json"
     info = json.loads(info_file.read_text()) if info_file.exists() else {}
-    cfg_digest = hashlib.sha256(json.dumps(asdict(config), sort_keys=True, default=str).encode())
-    fingerprint = {"model_type": net.model_type, "config": cfg_digest.hexdigest()[:16],
-                   "weights": digest, "dtype": str(dtype).replace("torch.", "")}
     return LoadedModel(path, net, net.model_type, hf, dtype, device,
-                       load_tokenizer(path, config.vocab_size), _eos_ids(path, hf), fingerprint, info,
-                       kernel)
+                       load_tokenizer(path, config.vocab_size), _eos_ids(path, hf),
+                       fingerprint(net, dtype, digest), info, kernel)
 
 
-def _assign_weights(net, files, device, dtype) -> str:
-    """Map, check and assign every tensor; returns a digest of the on-disk weights."""
+def assign_weights(net, path: Path, device, dtype) -> str:
+    """The safetensors of checkpoint directory `path` onto `net`, a meta-device build: each name
+    mapped by net.map_weight_name, its shape checked, cast to dtype (float32 for net.fp32_params),
+    absent ones allowed by net.optional_weights; then buffers are materialised. Every loader
+    (load_model, a LeRobot policy's) goes through here. Returns weights_digest of the on-disk
+    tensors, the fingerprint's "weights"."""
     expected = {k: v for k, v in net.state_dict().items()}
     fp32 = net.fp32_params
     loaded, tensors = {}, []
-    for f in files:
+    for f in _weight_files(Path(path)):
         with safe_open(str(f), framework="pt", device="cpu") as sf:
             for name in sf.keys():
                 ours = net.map_weight_name(name)
@@ -138,7 +138,20 @@ def _assign_weights(net, files, device, dtype) -> str:
     still_meta = [n for n, p in net.named_parameters() if p.is_meta]
     if still_meta:   # optional weights that were absent: the model must have dropped their modules
         raise WeightError(f"parameters left without weights: {still_meta[:8]}")
+    net.materialize_buffers(device)
     return weights_digest(tensors)
+
+
+def fingerprint(net, dtype: torch.dtype, weights: str | None = None) -> dict:
+    """What decides whether a capsule fits a model (the layout is the arena's): its model_type,
+    a digest of its config, the weights digest and the dtype. weights: assign_weights' digest of
+    the on-disk tensors; None (a model built in memory, e.g. random weights) digests the
+    parameters as they are, named as the model names them."""
+    if weights is None:
+        weights = weights_digest([(n, t.detach().cpu()) for n, t in net.state_dict().items()])
+    cfg = hashlib.sha256(json.dumps(asdict(net.config), sort_keys=True, default=str).encode())
+    return {"model_type": net.model_type, "config": cfg.hexdigest()[:16], "weights": weights,
+            "dtype": str(dtype).replace("torch.", "")}
 
 
 def weights_digest(tensors) -> str:

@@ -6,6 +6,7 @@ buffers in place, so the same forward runs eagerly on CPU and inside a captured 
 
 Required: `state_specs`, `input_specs`, `forward`, and a module-level `CONFIG` with
 `from_hf(dict)` in the model file. Everything else below is an optional hook with a default.
+A policy model (flashrt.policy) derives from PolicyModel, which adds attributes and buffers.
 """
 from __future__ import annotations
 
@@ -78,6 +79,38 @@ class StatefulModel(nn.Module):
         Writes the head's own state rows p; returns ((T, vocab) logits for p+2 (last_only: (1,
         vocab), a prefill writing rows), (T, H) hidden)."""
         raise NotImplementedError(f"{self.model_type} has no draft head")
+
+
+class PolicyModel(StatefulModel):
+    """Base class of a policy model: observations in, a flow-matching action chunk out, run by
+    flashrt.policy.Policy (LeRobot's select_action queue). models/tiny_vla.py is the smallest; a
+    SmolVLA or pi0 file follows the same. The policy layer checks isinstance, these attributes
+    (set in __init__) and the buffers below, naming what is missing.
+
+    state_specs(prefix_len, dtype) declares, besides the model's own buffers (its prefix K/V:
+    per-token rows [0, prefix_len), kind kv, rewritten at every chunk):
+      actions.queue  (n_action_steps, action_dim) float32, a fixed-size capsule kind: the chunk
+                     being handed out (n_action_steps <= chunk_size)
+      actions.head   (1,) int64 meta: next queue row to hand out
+      actions.count  (1,) int64 meta: rows filled; head == count: empty
+      noise.rng      (2,) int64 rng: [seed, counter] of flashrt.core.rng, the noise source
+      step           (1,) int64 meta: actions handed out since reset
+    forward({**obs, "noise"?}, ctx, state) with ctx over positions [0, prefix_len) writes the
+    prefix rows, denoises (drawing noise from noise.rng unless "noise" is given) and returns
+    {"actions": (chunk_size, action_dim)}. It never touches the queue buffers: the policy layer
+    does. The session's position is the count of valid prefix rows: 0 after reset, prefix_len
+    after a chunk. model_type and config (a dataclass) are what the default fingerprint digests,
+    with the weights (flashrt.models.loader.fingerprint).
+
+    A processor (optional; LeRobot's pre/postprocessor, e.g. models/smolvla_processor.py) takes
+    raw observations instead: preprocess(obs) -> forward's inputs, refusing bad input before any
+    state is written; postprocess(actions) -> robot units, applied to what select_action and
+    predict_action_chunk return (the queue holds the model's actions, as LeRobot's does).
+    """
+    prefix_len: int      # rows of prefix K/V one chunk writes (the session's max_seq_len)
+    obs_shapes: dict     # {name: shape} of one observation, batch 1 without a batch dim
+    noise_shape: tuple   # (chunk_size, noise_dim) of the flow-matching noise
+    action_dim: int      # action width <= noise_dim (SmolVLA and pi0 pad the noise to 32)
 
 
 # ---- config checks for CONFIG.from_hf ------------------------------------------------------

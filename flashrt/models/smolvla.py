@@ -3,8 +3,9 @@ num_vlm_layers Llama layers) and an action expert that denoises a chunk by flow 
 
 Order: config -> layers -> block -> model -> weight-name mapping (same in every model file).
 Batch 1 (a robot loop). All state is named buffers (`state_specs`) handed in as `state`
-(name -> tensor) and written in place, per flashrt/policy.py's contract (which owns the
-queue). Numerics follow lerobot/policies/smolvla (RoPE base 10000, fp32 attention scores).
+(name -> tensor) and written in place, per PolicyModel's contract (models/protocol.py; the
+policy layer owns the queue). Numerics follow lerobot/policies/smolvla (RoPE base 10000, fp32
+attention scores).
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .base import (BufferSpec, InputSpec, Linear, RMSNorm, StatefulModel, StepCtx, SwiGLU, check,
+from .base import (BufferSpec, InputSpec, Linear, PolicyModel, RMSNorm, StepCtx, SwiGLU, check,
                    normal, require)
 
 
@@ -212,13 +213,13 @@ class Block(nn.Module):
 
 
 # ---- model --------------------------------------------------------------------------------
-class Model(StatefulModel):
+class Model(PolicyModel):
     model_type = "smolvla"
 
     def __init__(self, c: SmolVLAConfig):
         super().__init__()
         self.config = c
-        # the policy contract: prefix rows per chunk, raw observation shapes, padded noise
+        # PolicyModel's attributes: prefix rows per chunk, raw observation shapes, padded noise
         self.prefix_len, self.action_dim = c.prefix_capacity, c.action_dim
         self.obs_shapes = dict(c.cameras, **{"observation.state": (c.state_dim,)})
         self.noise_shape = (c.chunk_size, c.max_action_dim)
@@ -253,7 +254,7 @@ class Model(StatefulModel):
             BufferSpec("actions.queue", "recurrent", (c.n_action_steps, c.action_dim), torch.float32),
             BufferSpec("actions.head", "meta", (1,), i64),    # next queue row to hand out
             BufferSpec("actions.count", "meta", (1,), i64),   # rows filled; head == count: empty
-            BufferSpec("noise.rng", "rng", (2,), i64),        # flashrt.lm.sampler's [seed, counter]
+            BufferSpec("noise.rng", "rng", (2,), i64),        # flashrt.core.rng's [seed, counter]
             BufferSpec("step", "meta", (1,), i64),            # control steps since reset
             BufferSpec("denoise.x", "scratch", (c.chunk_size, c.max_action_dim), torch.float32)]
 
@@ -379,12 +380,14 @@ class Model(StatefulModel):
                "model.vlm_with_expert.vlm.model.text_model.norm.weight")
 
     def map_weight_name(self, name: str) -> str | None:
-        """LeRobot parameter name -> ours; None: known and unused."""
+        """LeRobot parameter name -> ours; None: known and unused (VLM layers past vlm_layers too)."""
         if name in self.IGNORED:
             return None
         for theirs, ours in self._PREFIXES:
             if name.startswith(theirs):
-                return ours + name[len(theirs):]
+                ours += name[len(theirs):]
+                deep = ours.startswith("layers.") and int(ours.split(".")[1]) >= self.config.vlm_layers
+                return None if deep else ours
         return name
 
     def lerobot_name(self, ours: str) -> str:

@@ -17,6 +17,7 @@ from safetensors import safe_open
 from flashrt.errors import ConfigError, WeightError
 from flashrt.nn.linear import select_linear_kernel
 
+from .loader import assign_weights, fingerprint
 from .smolvla import Model, SmolVLAConfig
 
 
@@ -141,10 +142,13 @@ def vlm_dir_of(path: Path, pol: dict) -> Path:
     return d
 
 
-def load(path, device="cpu", dtype=torch.float32, linear_kernel: str = "auto") -> tuple[Model, Processor]:
-    """A LeRobot SmolVLA directory -> (model with weights, processor). linear_kernel: the
-    projections' matmul path (flashrt.nn.linear.select_linear_kernel; "aten" is plain F.linear)."""
-    path = Path(path)
+def load_with_fingerprint(path, device="cpu", dtype=torch.float32,
+                          linear_kernel: str = "auto") -> tuple[Model, Processor, dict]:
+    """A LeRobot SmolVLA directory -> (model with weights, processor, fingerprint): the weights go
+    through the shared loader (loader.assign_weights), so the fingerprint is what load_model's
+    would be. linear_kernel: the projections' matmul path (flashrt.nn.linear.select_linear_kernel;
+    "aten" is plain F.linear)."""
+    path, device = Path(path), torch.device(device)
     if not (path / "config.json").exists():
         raise FileNotFoundError(f"{path}: no config.json (expected a LeRobot policy directory)")
     pol = json.loads((path / "config.json").read_text())
@@ -152,23 +156,12 @@ def load(path, device="cpu", dtype=torch.float32, linear_kernel: str = "auto") -
     c = SmolVLAConfig.from_lerobot(pol, json.loads((vlm_dir / "config.json").read_text()))
     with torch.device("meta"):
         net = Model(c)
-    expected = net.state_dict()
-    loaded = {}
-    with safe_open(str(path / "model.safetensors"), framework="pt") as f:
-        for name in f.keys():
-            ours = net.map_weight_name(name)
-            if ours is None or (ours.startswith("layers.") and int(ours.split(".")[1]) >= c.vlm_layers):
-                continue
-            if ours not in expected:
-                raise WeightError(f"unexpected weight {name!r} in model.safetensors (no {ours!r})")
-            t = f.get_tensor(name)
-            if tuple(t.shape) != tuple(expected[ours].shape):
-                raise WeightError(f"weight {name!r}: shape {tuple(t.shape)}, expected "
-                                  f"{tuple(expected[ours].shape)}")
-            loaded[ours] = t.to(device=device, dtype=dtype)
-    missing = sorted(set(expected) - set(loaded))
-    if missing:
-        raise WeightError(f"model.safetensors lacks {len(missing)} weight(s): {missing[:6]}")
-    net.load_state_dict(loaded, strict=True, assign=True)
-    select_linear_kernel(net, torch.device(device), dtype, linear_kernel)
-    return net.eval(), Processor(path, c, vlm_dir, device)
+    digest = assign_weights(net, path, device, dtype)
+    select_linear_kernel(net, device, dtype, linear_kernel)
+    return net.eval(), Processor(path, c, vlm_dir, device), fingerprint(net, dtype, digest)
+
+
+def load(path, device="cpu", dtype=torch.float32, linear_kernel: str = "auto") -> tuple[Model, Processor]:
+    """load_with_fingerprint without the fingerprint: (model with weights, processor)."""
+    net, proc, _ = load_with_fingerprint(path, device, dtype, linear_kernel)
+    return net, proc

@@ -2,12 +2,12 @@
 
 Per chunk, embedded observations (image features + a state vector) become a prefix whose K/V,
 projected by each expert layer, overwrite the last chunk's rows; `num_steps` flow-matching Euler
-steps of a small action expert read them to turn noise into an action chunk. State, by name
-(flashrt/policy.py owns the queue semantics):
+steps of a small action expert read them to turn noise into an action chunk: the smallest
+PolicyModel (models/protocol.py; the policy layer owns the queue semantics). State, by name:
   prefix.{i}.k/.v  kv, (capacity, heads, head_dim): rows [0, prefix_len) rewritten per chunk
   actions.queue    recurrent, (n_action_steps, action_dim): the chunk being handed out
   actions.head/.count, step   meta: next queue row, rows filled, actions handed out
-  noise.rng        rng, [seed, counter]: flashrt.lm.sampler's counter RNG draws the noise
+  noise.rng        rng, [seed, counter]: flashrt.core.rng's counter RNG draws the noise
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .base import BufferSpec, InputSpec, Linear, RMSNorm, StatefulModel, StepCtx, check, normal
+from .base import BufferSpec, InputSpec, Linear, PolicyModel, RMSNorm, StepCtx, check, normal
 
 
 # ---- config -------------------------------------------------------------------------------
@@ -74,14 +74,14 @@ class ExpertLayer(nn.Module):
 
 
 # ---- model --------------------------------------------------------------------------------
-class Model(StatefulModel):
+class Model(PolicyModel):
     model_type = "tiny_vla"
 
     def __init__(self, c: TinyVLAConfig):
         super().__init__()
         self.config = c
         self.prefix_len = c.n_image_tokens + 1                       # image rows + one state row
-        self.noise_shape = (c.chunk_size, c.action_dim)
+        self.noise_shape, self.action_dim = (c.chunk_size, c.action_dim), c.action_dim
         self.obs_shapes = {"image": (c.n_image_tokens, c.obs_dim), "state": (c.state_dim,)}
         self.pos = nn.Parameter(torch.empty(self.prefix_len, c.obs_dim))   # learned prefix positions
         self.state_in = Linear(c.state_dim, c.obs_dim)
