@@ -111,18 +111,19 @@ def bench_size(size, a, tables):
     kmax = max(a.ks)
     rt = C.load_flashrt(path, a, max_seq_len=a.context + 2 * a.gen + 4 * kmax + 16)
     net, ar, dev = rt.net, rt.arena, a.device
-    if not net.has_mtp:
+    if not net.has_draft_head:
         raise SystemExit(f"{path}: no MTP weights")
     vocab = net.vocab_size
     prompt = heldout_prompts(rt, 1, a.context)[0] if trained else C.random_ids(a.context, vocab, seed=1)
     rt.generate(prompt, max_new_tokens=1, speculative="mtp")   # MTP rows of the prompt filled
     P = rt.position
     base = rt.snapshot()
-    steps = S.EagerSteps(net, rt.session) if rt.graphs is None else rt.speculation().steps_for(kmax)
+    session = rt.activate()       # the steps and marks below act on its state: take its turn
+    steps = S.EagerSteps(net, session) if rt.graphs is None else rt.speculation().steps_for(kmax)
     toks = C.random_ids(kmax + 1, vocab, seed=2)
-    hid = ar["mtp.hidden"][None].clone()
+    hid = ar[net.draft_hidden][None].clone()
     hidk = hid.expand(kmax + 1, -1).contiguous()
-    cap = rt.session.mark()
+    cap = session.mark()
     T = lambda ids: torch.tensor(ids, device=dev)  # noqa: E731
     reset = lambda: rt.restore(base)               # noqa: E731
     planes = steps.planes_for(kmax + 1)            # what a partial round copies back (keep)
@@ -134,8 +135,8 @@ def bench_size(size, a, tables):
         return int(logits[-1].argmax())
 
     cases = {"decode": C.Case(lambda: rt.decode(toks[0]), setup=reset),
-             "snapshot": C.Case(lambda: rt.session.mark(into=cap)),
-             "restore": C.Case(lambda: rt.session.rewind(cap)),
+             "snapshot": C.Case(lambda: session.mark(into=cap)),
+             "restore": C.Case(lambda: session.rewind(cap)),
              "keep plane": C.Case(lambda: planes.keep(0))}
     for n in range(1, kmax + 2):
         cases[f"mtp {n}"] = C.Case(lambda n=n: steps.draft(T(toks[:n]), hidk[:n], P - 1), setup=reset)

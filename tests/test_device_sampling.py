@@ -145,11 +145,75 @@ def test_graph_warm_up_leaves_the_state_as_it_was(runtime):
     assert rt.position == 18 and torch.equal(state_bytes(rt), before)
 
 
-def test_speculative_on_graph_bodies(runtime):
-    """Speculation on an lm stepping through uncaptured bodies runs its bodies uncaptured too."""
-    rt = _graph_rt(runtime, "qwen3_5")
-    out = rt.generate(_ids(12, 7), max_new_tokens=6, ignore_eos=True, speculative="mtp")
-    assert len(out) == 6 and not rt.speculation().steps.graphs.graphs
+# the graph and eager paths' logits differ by ~5e-7 (full-capacity masked attention vs the
+# live rows): a draw whose uniform lies within this of flipping may legitimately differ
+DRAW_TOL = 1e-5
+
+
+def _log_draw_margins(monkeypatch, log):
+    """Wrap the speculator's random decisions so each logs (position, margin): how far its
+    uniform fell from the nearest value that flips its outcome, the analogue for draws of
+    the top-2 margin rule (conftest.margin_check). Logged while log["rt"] is a session."""
+    import flashrt.lm.speculative as S
+    from flashrt.core.rng import at_counter
+    from flashrt.lm.acceptance import target_probs
+    real = {n: getattr(S, n) for n in ("sample", "sample_from", "accept_test")}
+
+    def note(margin):
+        if log["rt"] is not None:
+            log["margins"].append((log["rt"].position, float(margin)))
+
+    def cdf_margin(probs, u):          # inverse CDF: the distance to the nearest boundary
+        cdf = torch.cumsum(probs.double().reshape(-1), 0)
+        return ((cdf / cdf[-1])[:-1] - u.double()).abs().min()
+
+    def sample(logits, rng, temperature=0.0, top_k=0, top_p=1.0):
+        if temperature > 0:            # draw(): the CDF over probabilities sorted descending
+            p = target_probs(logits, temperature, top_k, top_p)
+            note(cdf_margin(p.sort(descending=True, stable=True).values, at_counter(rng)[0]))
+        return real["sample"](logits, rng, temperature, top_k, top_p)
+
+    def sample_from(probs, u):
+        note(cdf_margin(probs, u))
+        return real["sample_from"](probs, u)
+
+    def accept_test(p, q, d, u):       # accepted iff u < p(d) / q(d)
+        note((u.double() - p[..., d].double() / q[..., d].double()).abs())
+        return real["accept_test"](p, q, d, u)
+    for name, fn in (("sample", sample), ("sample_from", sample_from), ("accept_test", accept_test)):
+        monkeypatch.setattr(S, name, fn)
+
+
+@pytest.mark.parametrize("k", [1, 3])
+@pytest.mark.parametrize("setting", ["greedy", "sampled", "plain"])
+def test_speculative_on_graph_bodies(setting, k, runtime, monkeypatch):
+    """Speculation on an lm stepping through uncaptured graph bodies runs its own bodies
+    uncaptured too, and gives the eager path's tokens for the same seeds: greedy token for
+    token, sampled up to the first draw within DRAW_TOL of flipping (the paths are not
+    bitwise the same), which must leave at least half the tokens compared."""
+    from flashrt.lm.speculative_steps import EagerSteps, SpecSteps
+    kw, prompt, n = SETTINGS[setting], _ids(12, 7), 16
+    log = {"rt": None, "margins": []}
+    _log_draw_margins(monkeypatch, log)
+    graph = _graph_rt(runtime, "qwen3_5")
+    got = graph.generate(prompt, max_new_tokens=n, seed=3, ignore_eos=True, speculative="mtp",
+                         draft_tokens=k, **kw)
+    steps = graph.speculation().steps
+    assert isinstance(steps, SpecSteps) and not steps.graphs.graphs
+    eager = runtime("qwen3_5", max_seq_len=96)
+    log["rt"] = eager
+    want = eager.generate(prompt, max_new_tokens=n, seed=3, ignore_eos=True, speculative="mtp",
+                          draft_tokens=k, **kw)
+    assert eager.graphs is None and type(eager.speculation().steps) is EagerSteps
+    assert len(got) == len(want) == n and graph.finish_reason == eager.finish_reason == "length"
+    near = [p for p, m in log["margins"] if m <= DRAW_TOL]
+    assert len(log["margins"]) == int(eager.arena["sampler.rng"][1])     # every draw has a margin
+    same = (min(near) if near else eager.position) - len(prompt)   # tokens chosen before it
+    assert 2 * same >= n, f"a draw within {DRAW_TOL} of flipping at token {same}: other seeds"
+    assert got[:same] == want[:same], (same, got, want)
+    if not near:
+        assert graph.arena["sampler.rng"].tolist() == eager.arena["sampler.rng"].tolist()
+        assert (graph.arena["meta.logits"] - eager.arena["meta.logits"]).abs().max() <= 1e-4
 
 
 def test_host_readback_ring():

@@ -1,4 +1,4 @@
-"""Speculative decoding (flashrt/speculative.py): the acceptance rule, greedy identity with plain
+"""Speculative decoding (flashrt/lm/speculative.py): the acceptance rule, greedy identity with plain
 decoding for every accepted length, the state after rollback/re-prefill (main and MTP), capsules
 taken between speculative calls, the graph-safe bodies, and refusal without MTP weights."""
 from __future__ import annotations
@@ -265,7 +265,7 @@ def test_mtp_rows_after_accepted_mtp_drafts(layout, mechanism, runtime, plain_re
     min(j, drafts)). The MTP rows [0, P-1) must end up what a one-shot MTP pass over the history
     writes."""
     prompt, ref_toks, ref_logits = plain_ref(layout)
-    k, orig = 3, spec._Generation._draft_head
+    k, orig = 3, spec.SpeculativeDecoder._draft_head
     lengths = set()                          # accepted lengths seen in full rounds (k drafts)
 
     for err_at in [0, 1, 2, None]:
@@ -279,13 +279,13 @@ def test_mtp_rows_after_accepted_mtp_drafts(layout, mechanism, runtime, plain_re
                 want[err_at] = (want[err_at] + 1) % 512
             self._pick = lambda logits: (want.pop(0), None)
             return orig(self, x0, kk)
-        spec._Generation._draft_head = draft
+        spec.SpeculativeDecoder._draft_head = draft
         try:
             rt = _spec_rt(runtime, ARCH, mechanism, **_kw(layout))
             out = rt.generate(prompt, max_new_tokens=N, ignore_eos=True, speculative="mtp",
                               draft_tokens=k)
         finally:
-            spec._Generation._draft_head = orig
+            spec.SpeculativeDecoder._draft_head = orig
         assert rt.tokens == prompt + out
         if _first_divergence(out, ref_toks, ref_logits) is None:
             assert out == ref_toks[:N]
@@ -305,16 +305,16 @@ def test_mtp_drafts_are_the_chained_mtp_steps(runtime):
     rt = runtime(ARCH)
     rt.generate(_ids(PROMPT, seed=6), max_new_tokens=1, speculative="mtp")
     fork, P = rt.fork(), rt.position
-    seen, orig = [], spec._Generation._pick
+    seen, orig = [], spec.SpeculativeDecoder._pick
 
     def pick(self, logits):
         seen.append(logits.clone())
         return orig(self, logits)
-    spec._Generation._pick = pick
+    spec.SpeculativeDecoder._pick = pick
     try:
         rt.generate(max_new_tokens=5, ignore_eos=True, speculative="mtp", draft_tokens=3)
     finally:
-        spec._Generation._pick = orig
+        spec.SpeculativeDecoder._pick = orig
     net, a = fork.net, fork.arena
     tok, h = int(a["meta.logits"].argmax()), a["mtp.hidden"][None].clone()
     with torch.no_grad():
@@ -474,6 +474,98 @@ def test_decoder_rounds_are_generate(temperature, runtime):
         sp.decoder(0)
 
 
+def test_decoder_says_why_it_finished(runtime, plain_ref):
+    """The decoder's finish_reason: None while it goes on, then "stop", "length" or
+    "max_seq_len" with pending None; it never writes the session's (generate sets that)."""
+    prompt, ref_toks, ref_logits = plain_ref("multimodal")
+    top2 = ref_logits[:N].topk(2, dim=-1).values     # exact equalities below: no near-tie
+    assert (top2[:, 0] - top2[:, 1] > 1e-3).all()
+    stop_tok = ref_toks[6]
+    first_stop = ref_toks.index(stop_tok)
+
+    def decode(room, stops=(), **kw):
+        rt = runtime(ARCH, **kw)
+        sp = rt.speculation()
+        sp.prefill(prompt)
+        dec = sp.decoder(3, drafter=_oracle(prompt, ref_toks))
+        got = [t for t in [dec.first()] if t is not None]
+        while dec.pending is not None:
+            assert dec.finish_reason is None
+            got += dec.next(room - len(got), set(stops))
+        with pytest.raises(RuntimeError, match="pending"):
+            dec.next(1, set())
+        dec.close()
+        assert rt.tokens == prompt + got and rt.finish_reason is None
+        return got, dec.finish_reason
+    assert decode(N, stops=(stop_tok,)) == (ref_toks[: first_stop + 1], "stop")
+    assert decode(7) == (ref_toks[:7], "length")
+    assert decode(100, max_seq_len=PROMPT + 10) == (ref_toks[:10], "max_seq_len")
+    assert decode(5, max_seq_len=PROMPT) == ([], "max_seq_len")      # full before first()
+
+
+def test_prefill_makes_no_step_bodies(runtime, monkeypatch):
+    """Speculator.prefill (a server's prompt, before any decoder) runs on the steps there are:
+    it makes no body set for one draft (on CUDA: a capture of every size) that the decoder's
+    draft_tokens then replace."""
+    from flashrt.lm import use_graph_bodies
+    made, real = [], spec.SpecSteps.__init__
+    monkeypatch.setattr(spec.SpecSteps, "__init__",
+                        lambda self, *a, **kw: made.append(a[2]) or real(self, *a, **kw))
+    rt = runtime(ARCH)
+    use_graph_bodies(rt)
+    sp = rt.speculation()
+    for seed in (20, 21):
+        sp.prefill(_ids(PROMPT, seed=seed))
+        dec = sp.decoder(3)
+        dec.first()
+        dec.next(4, set())
+        dec.close()
+    assert made == [4]
+
+
+@pytest.mark.parametrize("drafter", ["mtp", "injected"])
+def test_decoders_of_forks_sharing_an_arena_interleave(drafter, runtime):
+    """A server interleaves the rounds of forks that take turns in one arena: every decoder
+    call takes its member's turn first (around a drafter that never touches rt too), so each
+    member's tokens and state are bitwise those of a session that ran alone."""
+    from conftest import state_bytes
+    from flashrt.lm import use_graph_bodies
+    kw = {"temperature": 0.9}
+    if drafter == "injected":
+        kw["drafter"] = lambda rt, k: [7, 8, 9][:k]
+
+    def fresh():
+        rt = runtime(ARCH)
+        use_graph_bodies(rt)
+        rt.prefill(_ids(PROMPT, seed=23))
+        return rt
+
+    def start(rt, seed):
+        rt.speculation().prefill(_ids(4, seed=seed))
+        rt.seed(seed)
+
+    def rounds(decs, n=8):
+        out = [[d.first()] for d in decs]
+        while any(d.pending is not None and len(o) < n for d, o in zip(decs, out)):
+            for d, o in zip(decs, out):
+                if d.pending is not None and len(o) < n:
+                    o += d.next(n - len(o), set())
+        for d in decs:
+            d.close()
+        return out
+
+    parent = fresh()
+    members = [(parent, 7), (parent.fork(share=True), 8)]
+    for rt, seed in members:
+        start(rt, seed)
+    got = rounds([rt.speculation().decoder(2, **kw) for rt, _ in members])
+    for (rt, seed), toks in zip(members, got):
+        alone = fresh()
+        start(alone, seed)
+        assert toks == rounds([alone.speculation().decoder(2, **kw)])[0]
+        assert torch.equal(state_bytes(rt), state_bytes(alone))
+
+
 # ---- stops, budgets, limits -----------------------------------------------------------------
 def test_stop_inside_accepted_drafts_and_exact_budgets(runtime, plain_ref):
     prompt, ref_toks, ref_logits = plain_ref("multimodal")
@@ -560,6 +652,68 @@ def test_sampled_injected_drafter_with_probabilities(runtime):
     assert outs[0] == outs[1]
 
 
+# ---- the speculator's contract with the language model -----------------------------------------
+def _contract() -> frozenset:
+    """The members SpeculationTarget declares."""
+    t = spec.SpeculationTarget
+    return frozenset({n for n in vars(t) if not n.startswith("_")} | set(t.__annotations__))
+
+
+class _OnlyContract:
+    """A LanguageModel as the speculator may see it: its SpeculationTarget members, read only."""
+
+    def __init__(self, rt):
+        object.__setattr__(self, "_rt", rt)
+        object.__setattr__(self, "_names", _contract())
+
+    def __getattr__(self, name):
+        assert name in self._names, f"the speculator read rt.{name}, outside SpeculationTarget"
+        return getattr(self._rt, name)
+
+    def __setattr__(self, name, value):
+        raise AssertionError(f"the speculator set rt.{name}")
+
+
+def test_language_model_has_the_speculators_contract(runtime):
+    """SpeculationTarget is the surface the module docstring lists, and LanguageModel has it
+    (methods with the same leading parameters)."""
+    import inspect
+    from flashrt.lm import LanguageModel
+    contract = _contract()
+    assert contract == {"net", "model", "graphs", "activate", "start_generation", "advance",
+                        "commit_tokens", "speculation"}
+    rt = runtime(ARCH)
+    for name in contract:
+        assert hasattr(rt, name), name
+        want = vars(spec.SpeculationTarget).get(name)
+        if inspect.isfunction(want):
+            params = list(inspect.signature(want).parameters)
+            assert list(inspect.signature(getattr(LanguageModel, name)).parameters)[: len(params)] == params
+
+
+@pytest.mark.parametrize("mechanism", MECHANISMS)
+def test_the_speculator_uses_only_its_contract(mechanism, runtime):
+    """generate (MTP greedy and sampled, an injected drafter, a run ended by max_seq_len)
+    through a LanguageModel showing only SpeculationTarget: the speculator reads nothing else,
+    writes nothing on it, and generate's finish_reason is what the speculator returned."""
+    prompt = _ids(PROMPT, seed=19)
+
+    def drafter(rt, k):
+        return [(spec.pending_token(rt) + 1 + j) % 512 for j in range(k)]
+    runs = [({}, dict(draft_tokens=3)), ({}, dict(draft_tokens=2, temperature=0.9, seed=4)),
+            ({}, dict(speculative="draft", drafter=drafter)),
+            ({"max_seq_len": PROMPT + 5}, dict(draft_tokens=2))]
+    for load_kw, kw in runs:
+        kw = {"speculative": "mtp", "max_new_tokens": 8, "ignore_eos": True, **kw}
+        ref = _spec_rt(runtime, ARCH, mechanism, **load_kw)
+        want = ref.generate(prompt, **kw)
+        rt = _spec_rt(runtime, ARCH, mechanism, **load_kw)
+        rt.speculation().rt = _OnlyContract(rt)
+        assert rt.generate(prompt, **kw) == want
+        assert rt.finish_reason == ref.finish_reason == ("max_seq_len" if load_kw else "length")
+        assert torch.equal(rt.arena["meta.logits"], ref.arena["meta.logits"])
+
+
 # ---- graph-safe bodies, refusals ----------------------------------------------------------------
 @pytest.mark.parametrize("mechanism", MECHANISMS)
 def test_static_bodies_match_eager(mechanism, runtime, plain_ref):
@@ -603,6 +757,35 @@ def test_graph_warm_up_leaves_the_state_as_it_was(runtime):
         steps.preserving_state(lambda: [steps.run_body(k, T) for k, T in steps.bodies()])
     after = rt.snapshot()
     assert after.position == before.position and torch.equal(after.data, before.data)
+
+
+def test_spec_steps_take_the_base_steps_arguments(runtime):
+    """SpecSteps.main/draft take EagerSteps' arguments and return its shapes: all_logits=False
+    and last_only=True (a prefill writing rows) give the last row, from a graph body or, past
+    max_T, the eager step; within 1e-4 of the eager steps' values."""
+    import inspect
+    for name in ("main", "draft"):
+        assert (list(inspect.signature(getattr(spec.SpecSteps, name)).parameters)
+                == list(inspect.signature(getattr(spec.EagerSteps, name)).parameters)), name
+    rt = runtime(ARCH)
+    rt.prefill(_ids(PROMPT, seed=17))
+    sess, V, P = rt.activate(), rt.net.vocab_size, rt.position
+    static, eager = spec.SpecSteps(rt.net, sess, max_T=3, capture=False), spec.EagerSteps(rt.net, sess)
+    toks = torch.tensor(_ids(5, seed=18))
+    hid = torch.randn(5, rt.net.config.hidden_size, generator=torch.Generator().manual_seed(1))
+    mark = sess.mark()
+
+    def main(steps, T, all_logits):
+        sess.rewind(mark)              # a verify advances the fixed state without committing
+        return steps.main(toks[:T], all_logits=all_logits)
+    with torch.no_grad():
+        for T in (1, 3, 5):            # 5 > max_T: the eager step
+            for run in (lambda steps, flag: main(steps, T, flag),     # (hidden, logits) both
+                        lambda steps, flag: steps.draft(toks[:T], hid[:T], P - 1, not flag)[::-1]):
+                (h, full), (h1, last), (he, ref) = run(static, True), run(static, False), run(eager, False)
+                assert full.shape == (T, V) and last.shape == ref.shape == (1, V) and h1.shape == h.shape
+                assert (last[0] - full[-1]).abs().max() <= 1e-5 and torch.equal(h1, h)
+                assert (last - ref).abs().max() <= 1e-4 and (h1 - he).abs().max() <= 1e-4
 
 
 def test_without_mtp_weights_refused_before_any_change(ckpt, runtime):

@@ -2,7 +2,8 @@
 
 Rule: lm/ builds on core/ (sessions, copies, graphs), models/ (the loader and the protocol) and
 capsules/ (stores); it never imports serve, policy or speech. Its public face is this module:
-`load`, `LanguageModel`, `Options`, and the helpers a server or a test needs.
+`load`, `LanguageModel`, `Options`, and the helpers a server or a test needs (speculative
+decoding a round at a time: `SpeculativeDecoder`, from `LanguageModel.speculation().decoder()`).
 """
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from .graphs import StepGraphs, graph_body_step, static_step, use_graph_bodies  
 from .inputs import common_prefix  # noqa: F401
 from .model import HISTORY, LanguageModel, Options  # noqa: F401
 from .pool import LanguageModelPool  # noqa: F401
+from .speculative import SpeculationTarget, SpeculativeDecoder, Speculator  # noqa: F401
 
 
 def load(path, options: Options | None = None, **settings) -> LanguageModel:

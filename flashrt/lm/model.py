@@ -6,6 +6,7 @@ stream, the io buffers of the step bodies, and multimodal embedding segments.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -20,6 +21,9 @@ from flashrt.models.loader import LoadedModel
 from .graphs import StepGraphs, record
 from .inputs import EmbeddingSegments, embeds_ids, token_ids
 from .sampler import sample, validate
+
+if TYPE_CHECKING:
+    from .speculative import Speculator
 
 HISTORY = "meta.tokens"     # the per-token buffer whose rows are a capsule's history key
 
@@ -75,7 +79,7 @@ class LanguageModel:
         self.embeds = EmbeddingSegments()   # re-run on rollback; shared with forks
         self.finish_reason = None
         self.context_reused = 0              # positions set_context took over instead of re-running
-        self.speculator = None            # flashrt.lm.speculative state, made on first use
+        self.speculator: Speculator | None = None    # speculative state, made on first use
         if shared is None:
             session = Session(self.net, lm_specs(options, self.net.vocab_size), model.device,
                               model.dtype, model.fingerprint, options, {"linear": model.linear_kernel},
@@ -231,9 +235,10 @@ class LanguageModel:
         draft head, "draft" with drafter(rt, k); see flashrt/lm/speculative.py."""
         if speculative is not None or drafter is not None:
             with self._lock:
-                return self.speculation().generate(ids, max_new_tokens, temperature, top_k, top_p,
-                                                   seed, stop, ignore_eos, speculative, draft_tokens,
-                                                   drafter)
+                out, self.finish_reason = self.speculation().generate(
+                    ids, max_new_tokens, temperature, top_k, top_p, seed, stop, ignore_eos,
+                    speculative, draft_tokens, drafter)
+                return out
         validate(temperature, top_k, top_p)
         with self._lock:
             stops = self.start_generation(ids, seed, stop, ignore_eos)
@@ -261,9 +266,11 @@ class LanguageModel:
                 return out, "stop"
         return out, "length"
 
-    def speculation(self):
+    def speculation(self) -> Speculator:
         """This session's speculative-decoding state (flashrt.lm.speculative.Speculator):
-        `.stats` holds the last speculative call's rounds, drafts and acceptance by position."""
+        `.stats` holds the last speculative call's rounds, drafts and acceptance by position,
+        `.decoder()` decodes a round at a time. It uses this class only through its
+        SpeculationTarget members (flashrt/lm/speculative.py lists them)."""
         if self.speculator is None:
             from flashrt.lm.speculative import Speculator
             self.speculator = Speculator(self)

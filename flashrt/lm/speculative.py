@@ -8,7 +8,7 @@ prediction for P) with a pending token x0 (chosen, not yet run through the model
 1. draft d1..dk (greedy: argmax; sampling: d ~ q under the target's temperature/top-k/top-p);
 2. verify [x0, d1..dk] at positions P..P+k in one step (all-position hidden and logits); the
    step also keeps every fixed buffer's value after each position (session.StatePlanes);
-3. accept (flashrt/acceptance.py; uniforms from the arena RNG, so capsules carry the stream);
+3. accept (acceptance.py; uniforms from the arena RNG, so capsules carry the stream);
 4. commit x0, d1..da; on partial acceptance the fixed state becomes its plane after d_a (one
    copy; KV is rewound by position); 5. the correction/bonus token becomes the next pending one.
 A model that writes no planes gets mechanism "rerun": mark the fixed state before the verify,
@@ -22,34 +22,79 @@ below the committed position invalidates capsules above them as delta parents (S
 Injected drafters: `drafter(rt, k) -> <= k token ids` (or `(ids, q)`, q (len, V) probabilities);
 they continue `pending_token(rt)`. Greedy output equals plain greedy up to near-ties: a (k+1)-
 token verify changes logit bits vs single-token decode (~1e-6 fp32).
-CUDA: the verify and draft bodies are captured per size (flashrt/graphs.py) on first use.
+CUDA: the verify and draft bodies are captured per size (graphs.py extension) on first use.
+
+The speculator's contract with the language model (SpeculationTarget; LanguageModel has it):
+the only members of `rt` this module uses, all public.
+  activate() -> Session       take this member's turn in its arena (a fork sharing it may have
+                              run since): every state read and write goes through that Session,
+                              never through rt.session / rt.arena
+  net, model                  the model (has_draft_head, draft_hidden, draft), its device and
+                              checkpoint identity
+  graphs                      the arena's step bodies (None: eager), which the speculative
+                              bodies extend
+  start_generation(ids, seed, stop, ignore_eos, prefill)   prompt, reseed, the stop ids
+  advance(ids)                a plain step (replayed graphs where there are), committed
+  commit_tokens(ids, last_logits)   commit positions a verify step ran
+  speculation()               this per-session state (the module-level helpers below)
+Nothing here writes to rt: Speculator.generate returns (tokens, finish_reason), a
+SpeculativeDecoder exposes its finish_reason, and LanguageModel.generate sets its own.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Protocol
+
 import torch
 
+from flashrt.core.rng import uniform
 from flashrt.lm.acceptance import accept_test, residual, sample_from, target_probs
 from flashrt.lm.inputs import token_ids
-from flashrt.core.rng import uniform
 from flashrt.lm.sampler import sample, validate
 from flashrt.lm.speculative_steps import EagerSteps, SpecSteps
 
-__all__ = ["EagerSteps", "SpecSteps", "Speculator", "generate", "use_static_steps", "use_mechanism",
-           "last_stats", "pending_token", "check_request"]
+if TYPE_CHECKING:
+    from flashrt.core.session import Session
+    from flashrt.lm.graphs import StepGraphs
+    from flashrt.models.loader import LoadedModel
+    from flashrt.models.protocol import StatefulModel
+
+__all__ = ["EagerSteps", "SpecSteps", "SpeculationTarget", "SpeculativeDecoder", "Speculator",
+           "generate", "use_static_steps", "use_mechanism", "last_stats", "pending_token",
+           "check_request"]
 
 MODES = ("mtp", "draft")
 MECHANISMS = ("planes", "rerun")
+
+
+class SpeculationTarget(Protocol):
+    """What the speculator uses of a LanguageModel (the module docstring says what for); a
+    Protocol rather than the class itself: lm/model.py imports this module."""
+    net: StatefulModel
+    model: LoadedModel
+
+    @property
+    def graphs(self) -> StepGraphs | None: ...
+
+    def activate(self) -> Session: ...
+
+    def start_generation(self, ids, seed: int | None, stop, ignore_eos: bool, prefill=None) -> set: ...
+
+    def advance(self, hist: torch.Tensor, all_logits: bool = False): ...
+
+    def commit_tokens(self, ids: torch.Tensor, last_logits: torch.Tensor) -> None: ...
+
+    def speculation(self) -> Speculator: ...
 
 
 class Speculator:
     """Per-session speculative state kept across generate calls: the mark buffer, the steps,
     the pending token (for injected drafters) and the last call's statistics."""
 
-    def __init__(self, rt):
+    def __init__(self, rt: SpeculationTarget):
         self.rt = rt
-        self.steps = None
+        self.steps: EagerSteps | None = None
         self.mark = None
-        self.pending = None
+        self.pending: int | None = None
         self.stats: dict = {}
         self.mechanism = "planes"
 
@@ -66,12 +111,13 @@ class Speculator:
         self.steps = SpecSteps(self.rt.net, self.rt.activate(), max_T, capture)
         return self.steps
 
-    def steps_for(self, k: int):
-        """Steps for k drafts. With graph bodies: the set over this arena, made (on CUDA:
-        captured) once and shared with the forks that take turns in it."""
+    def steps_for(self, k: int | None) -> EagerSteps:
+        """Steps for rounds of k drafts (None: a prefill, which any steps serve). With graph
+        bodies: the set over this arena, made (on CUDA: captured) once and shared with the forks
+        that take turns in it."""
         rt, s = self.rt, self.steps
         graphs = rt.graphs
-        if graphs is not None and not (isinstance(s, SpecSteps) and s.serves(k)):
+        if graphs is not None and k is not None and not (isinstance(s, SpecSteps) and s.serves(k)):
             s = self.steps = graphs.extension(
                 "speculative", lambda session: SpecSteps(rt.net, session, k + 1, graphs.captured),
                 usable=lambda steps: steps.serves(k))
@@ -81,40 +127,38 @@ class Speculator:
 
     @torch.no_grad()
     def generate(self, ids, max_new_tokens, temperature, top_k, top_p, seed, stop, ignore_eos,
-                 speculative, draft_tokens, drafter) -> list[int]:
+                 speculative, draft_tokens, drafter) -> tuple[list[int], str]:
         """LanguageModel.generate(..., speculative=...) under the session's lock: same contract
-        as plain generate (every returned token is committed; finish_reason says why)."""
+        as plain generate (every returned token is committed). Returns (tokens, finish_reason)."""
         check_request(self.rt, speculative, draft_tokens, drafter)
         validate(temperature, top_k, top_p)
-        g = _Generation(self, draft_tokens, drafter, temperature, top_k, top_p)
-        stops = self.rt.start_generation(ids, seed, stop, ignore_eos, g.prefill)
-        return g.run(max_new_tokens, stops)
+        d = SpeculativeDecoder(self, draft_tokens, drafter, temperature, top_k, top_p)
+        stops = self.rt.start_generation(ids, seed, stop, ignore_eos, d.prefill)
+        return d.run(max_new_tokens, stops), d.finish_reason
 
     def decoder(self, draft_tokens: int = 2, temperature: float = 0.0, top_k: int = 0,
-                top_p: float = 1.0, drafter=None) -> "_Generation":
-        """Speculative decoding a round at a time, for a caller that interleaves sessions and
-        holds this one's lock while it uses it (flashrt serve): first(), then next(room,
-        stops) per round, then close(). Every token they return is chosen; all but the
-        pending last one are committed."""
+                top_p: float = 1.0, drafter=None) -> SpeculativeDecoder:
+        """Speculative decoding a round at a time (SpeculativeDecoder), for a caller that
+        interleaves sessions and holds this one's lock while it uses it (flashrt serve)."""
         check_request(self.rt, "draft" if drafter is not None else "mtp", draft_tokens, drafter)
         validate(temperature, top_k, top_p)
-        return _Generation(self, draft_tokens, drafter, temperature, top_k, top_p)
+        return SpeculativeDecoder(self, draft_tokens, drafter, temperature, top_k, top_p)
 
     def prefill(self, ids) -> None:
         """Append ids and write the draft head's rows for their pairs (and the pair that joins
         them to the history), so drafting after them sees the whole context."""
-        _Generation(self, 1, None, 0.0, 0, 1.0).prefill(ids)
+        SpeculativeDecoder(self, None, None, 0.0, 0, 1.0).prefill(ids)
 
 
-def use_static_steps(rt, max_T: int, capture: bool = False) -> SpecSteps:
+def use_static_steps(rt: SpeculationTarget, max_T: int, capture: bool = False) -> SpecSteps:
     return rt.speculation().use_static_steps(max_T, capture)
 
 
-def use_mechanism(rt, name: str) -> None:
+def use_mechanism(rt: SpeculationTarget, name: str) -> None:
     rt.speculation().use_mechanism(name)
 
 
-def last_stats(rt) -> dict | None:
+def last_stats(rt: SpeculationTarget) -> dict | None:
     """Counters of the session's last speculative generate call (None before any): rounds,
     drafted, accepted, partial rounds rewound by a plane copy (plane_rewinds) or by a re-run
     (reprefills), and per draft position j reached_at[j] (draft j verified with drafts < j all
@@ -123,12 +167,12 @@ def last_stats(rt) -> dict | None:
     return {k: list(v) if isinstance(v, list) else v for k, v in s.items()} if s else None
 
 
-def pending_token(rt) -> int | None:
+def pending_token(rt: SpeculationTarget) -> int | None:
     """The token the drafts continue (chosen, not yet committed), while a drafter runs."""
     return rt.speculation().pending
 
 
-def check_request(rt, speculative, draft_tokens, drafter) -> None:
+def check_request(rt: SpeculationTarget, speculative, draft_tokens, drafter) -> None:
     """Refuse a speculative request before any state changes."""
     if speculative is None and drafter is not None:
         raise ValueError("drafter= needs speculative='draft' (or 'mtp' on a checkpoint with MTP)")
@@ -140,7 +184,7 @@ def check_request(rt, speculative, draft_tokens, drafter) -> None:
     if drafter is not None and not callable(drafter):
         raise TypeError(f"drafter must be callable(rt, k) -> token ids, got {type(drafter).__name__}")
     if speculative == "mtp" and not rt.net.has_draft_head:
-        if getattr(rt.net, "draft_hidden", None):
+        if rt.net.draft_hidden is not None:      # the model type has a head, the weights none
             why = f"the checkpoint {rt.model.path} has no MTP weights (mtp.*)"
         else:
             why = f"model type {rt.model.model_type!r} has no MTP layer (no MTP weights)"
@@ -157,29 +201,53 @@ def generate(rt, ids=None, max_new_tokens: int = 32, temperature: float = 0.0, t
                        speculative, draft_tokens, drafter)
 
 
-class _Generation:
-    """One speculative generate call over a session (its caller holds the session's lock)."""
+class SpeculativeDecoder:
+    """Speculative decoding over one session, a round at a time; Speculator.decoder() makes
+    one (generate drives one through run()). Its caller holds the session's lock while it
+    uses it; every call takes the member's turn first, so forks sharing an arena may run
+    between calls (a server interleaving sessions).
 
-    def __init__(self, spec: Speculator, k, drafter, temperature, top_k, top_p):
+      first()            the first token, chosen from the last logits (pending); None when the
+                         session is full
+      next(room, stops)  one round, emitting at most `room` tokens: those committed after the
+                         pending token, then the next pending one unless the decoder finished
+      close()            commit the pending token and write the draft head's rows: at rest
+    Every token they return is chosen; all but the pending last one are committed.
+      pending            the chosen, uncommitted token the next round starts from (None: none)
+      finish_reason      None while it goes on; "stop" (a stop id was committed), "length" (the
+                         room or budget used up) or "max_seq_len" (the session is full)
+      stats              this decoder's counters (Speculator.stats once closed; last_stats)
+    """
+
+    def __init__(self, spec: Speculator, k: int | None, drafter, temperature: float, top_k: int,
+                 top_p: float):
+        """k: drafts per round (None: a decoder that only prefills)."""
         rt = spec.rt
-        self.spec, self.rt, self.net, self.a = spec, rt, rt.net, rt.activate().arena
-        self.k, self.drafter = k, drafter
+        self.spec, self.rt, self.net = spec, rt, rt.net
+        self.session = rt.activate()
+        self.a = self.session.arena
+        self.k, self.drafter = k or 0, drafter
         self.temp, self.top_k, self.top_p = temperature, top_k, top_p
         self.greedy = temperature == 0.0
-        self.hidden_name = getattr(rt.net, "draft_hidden", None) if rt.net.has_draft_head else None
+        self.hidden_name = rt.net.draft_hidden if rt.net.has_draft_head else None
         self.steps = spec.steps_for(k)
-        self.planes = spec.mechanism == "planes" and self.steps.planes_for(k + 1) is not None
+        self.planes = spec.mechanism == "planes" and self.steps.planes_for(self.k + 1) is not None
         self.dev = rt.model.device
-        self.pending = None          # the chosen token the next round starts from
+        self.pending: int | None = None
+        self.finish_reason: str | None = None
         # draft-head backlog: main hidden states at rows r0.. and the tokens after them
         self.bl_h: list[torch.Tensor] = []
         self.bl_t: list[int] = []
         self.bl_r0 = 0
         # per draft position j: rounds that verified draft j after accepting 0..j-1, and accepted it
         self.stats = {"rounds": 0, "drafted": 0, "accepted": 0, "plane_rewinds": 0, "reprefills": 0,
-                      "reached_at": [0] * k, "accepted_at": [0] * k}
+                      "reached_at": [0] * self.k, "accepted_at": [0] * self.k}
 
     # -- helpers ---------------------------------------------------------------------------
+    def _turn(self) -> Session:
+        """This member's state in the arena (another fork may have run since the last call)."""
+        return self.rt.activate()
+
     def _t(self, ids) -> torch.Tensor:
         return torch.tensor(ids, dtype=torch.int64, device=self.dev)
 
@@ -189,34 +257,33 @@ class _Generation:
     def _last_hidden(self) -> torch.Tensor:
         return self.a[self.hidden_name][None].clone()
 
-    def _draft(self, tokens: torch.Tensor, hidden: torch.Tensor, row0: int):
-        if row0 < self.rt.position:      # rows below the committed position change
-            self.rt.activate().invalidate_from(row0)
-        return self.steps.draft(tokens, hidden, row0)
+    def _draft(self, tokens: torch.Tensor, hidden: torch.Tensor, row0: int, last_only: bool = False):
+        if row0 < self.session.position:      # rows below the committed position change
+            self.session.invalidate_from(row0)
+        return self.steps.draft(tokens, hidden, row0, last_only)
 
     # -- prompt -----------------------------------------------------------------------------
-    def prefill(self, ids):
-        rt = self.rt
+    def prefill(self, ids) -> None:
+        """Append ids (committed) and write the draft head's rows for their pairs."""
+        rt, session = self.rt, self._turn()
         t = token_ids(ids, self.net.vocab_size, self.dev)
-        rt.session.check_room(t.shape[0])
+        session.check_room(t.shape[0])
         if self.hidden_name is None:
             rt.advance(t)
             return
-        start = rt.position
+        start = session.position
         hs = [self._last_hidden()] if start > 0 else []
         i = 0
-        for n in rt.session.chunks(t.shape[0]):
-            h, logits = EagerSteps.main(self.steps, t[i: i + n], all_logits=False)
+        for n in session.chunks(t.shape[0]):
+            h, logits = self.steps.main(t[i: i + n], all_logits=False)
             rt.commit_tokens(t[i: i + n], logits[-1])
             hs.append(h)
             i += n
         # draft-head rows for the prompt's pairs (hidden at p, token at p+1)
         hid, toks = torch.cat(hs)[:-1], (t if start > 0 else t[1:])
-        row0, chunk = (start - 1 if start > 0 else 0), rt.options.prefill_chunk
+        row0, chunk = (start - 1 if start > 0 else 0), session.options.prefill_chunk
         for j in range(0, toks.shape[0], chunk):
-            if row0 + j < rt.position:
-                rt.session.invalidate_from(row0 + j)
-            EagerSteps.draft(self.steps, toks[j: j + chunk], hid[j: j + chunk], row0 + j, last_only=True)
+            self._draft(toks[j: j + chunk], hid[j: j + chunk], row0 + j, last_only=True)
 
     # -- drafting ---------------------------------------------------------------------------
     def _pick(self, logits: torch.Tensor):
@@ -227,7 +294,7 @@ class _Generation:
         return int(sample_from(q, self._u())), q
 
     def _draft_head(self, x0: int, k: int):
-        P = self.rt.position
+        P = self.session.position
         hid, toks = torch.cat(self.bl_h), self.bl_t
         assert self.bl_r0 + len(toks) == P and hid.shape[0] == len(toks)
         logits, g = self._draft(self._t(toks), hid, self.bl_r0)
@@ -247,6 +314,7 @@ class _Generation:
             out = self.drafter(self.rt, k)
         finally:
             self.spec.pending = None
+            self._turn()          # the drafter may have run another member of the arena
         q = None
         if isinstance(out, tuple):
             out, q = out
@@ -281,14 +349,15 @@ class _Generation:
         return k, int(sample(L[k], self.a["sampler.rng"], self.temp, self.top_k, self.top_p))
 
     # -- one round --------------------------------------------------------------------------
-    def _budget(self, emitted: int, max_new: int) -> int:
-        rt, P = self.rt, self.rt.position
-        every = rt.options.checkpoint_every    # verify never crosses a checkpoint boundary
-        return max(0, min(self.k, max_new - emitted, rt.max_seq_len - P - 1, every - P % every - 1))
+    def _budget(self, room: int) -> int:
+        s, P = self.session, self.session.position
+        every = s.options.checkpoint_every    # verify never crosses a checkpoint boundary
+        return max(0, min(self.k, room, s.max_seq_len - P - 1, every - P % every - 1))
 
     def _round(self, x0: int, k: int, stops):
         """Verify x0 + up to k drafts; commit. Returns (committed tokens, next token y, stopped)."""
-        rt, P = self.rt, self.rt.position
+        rt, session = self.rt, self.session
+        P = session.position
         use_head = self.drafter is None
         drafts, q = [], None
         if k > 0:
@@ -304,7 +373,7 @@ class _Generation:
             n = 1
         else:
             if not self.planes:
-                self.spec.mark = mark = rt.session.mark(into=self.spec.mark)
+                self.spec.mark = mark = session.mark(into=self.spec.mark)
             H, L = self.steps.main(self._t(toks), planes=self.planes)
             n_acc, y = self._accept(L, drafts, q)
             n = n_acc + 1
@@ -316,7 +385,7 @@ class _Generation:
                 L = L[:n]
                 self.stats["plane_rewinds"] += 1
             elif n < len(toks):                  # partial: rewind the fixed state, re-run
-                rt.session.rewind(mark)
+                session.rewind(mark)
                 H, L = self.steps.main(self._t(toks[:n]), all_logits=False)
                 self.stats["reprefills"] += 1
             rt.commit_tokens(self._t(toks[:n]), L[-1])   # L's last row: the prediction for P+n
@@ -338,45 +407,50 @@ class _Generation:
         """Write draft-head rows for every pair whose token is committed: [r0, position - 1)."""
         if not self.hidden_name or not self.bl_h:
             return
-        m = min(sum(h.shape[0] for h in self.bl_h), len(self.bl_t), self.rt.position - 1 - self.bl_r0)
+        m = min(sum(h.shape[0] for h in self.bl_h), len(self.bl_t),
+                self.session.position - 1 - self.bl_r0)
         if m > 0:
             self._draft(self._t(self.bl_t[:m]), torch.cat(self.bl_h)[:m], self.bl_r0)
         self.bl_h, self.bl_t = [], []
 
     # -- one token, one round, the end: a generate call, or a server interleaving sessions ---
     def first(self) -> int | None:
-        """The first token, chosen from the last logits (pending: not yet committed); None at
-        max_seq_len."""
-        rt = self.rt
-        if rt.position >= rt.max_seq_len:
-            rt.finish_reason = "max_seq_len"
+        """The first token, chosen from the last logits (pending: not yet committed); None
+        (finish_reason "max_seq_len") when the session is full."""
+        s = self._turn()
+        if s.position >= s.max_seq_len:
+            self.finish_reason = "max_seq_len"
             return None
         x0 = int(sample(self.a["meta.logits"], self.a["sampler.rng"], self.temp, self.top_k, self.top_p))
         if self.hidden_name:
-            self.bl_h, self.bl_t, self.bl_r0 = [self._last_hidden()], [x0], rt.position - 1
+            self.bl_h, self.bl_t, self.bl_r0 = [self._last_hidden()], [x0], s.position - 1
         self.pending = x0
         return x0
 
     def next(self, room: int, stops) -> list[int]:
         """One round after the pending token, emitting at most `room` tokens: those committed
         after it, then the next pending token unless a stop id was committed, the room is
-        used up or the session is full (then pending is None and finish_reason says why)."""
-        committed, y, stopped = self._round(self.pending, self._budget(0, room), stops)
+        used up or the session is full (then pending is None and finish_reason says which)."""
+        if self.pending is None:
+            raise RuntimeError("next() without a pending token: first() was not called, or the "
+                               f"decoder finished ({self.finish_reason})")
+        s = self._turn()
+        committed, y, stopped = self._round(self.pending, self._budget(room), stops)
         new, self.pending = committed[1:], None
-        rt = self.rt
         if stopped:
-            rt.finish_reason = "stop"
-        elif len(new) < room and rt.position < rt.max_seq_len:
+            self.finish_reason = "stop"
+        elif len(new) < room and s.position < s.max_seq_len:
             if self.hidden_name:
                 self.bl_t.append(y)
             new.append(y)
             self.pending = y
-        elif len(new) < room:
-            rt.finish_reason = "max_seq_len"
+        else:
+            self.finish_reason = "length" if len(new) >= room else "max_seq_len"
         return new
 
     def close(self) -> None:
         """Commit the pending token and write the draft head's rows: the session is at rest."""
+        self._turn()
         if self.pending is not None:
             self.rt.advance(self._t([self.pending]))
             self.pending = None
@@ -384,14 +458,16 @@ class _Generation:
         self.spec.stats = dict(self.stats)
 
     def run(self, max_new: int, stops) -> list[int]:
-        self.rt.finish_reason = "length"
+        """A whole generate call: up to max_new tokens, every one committed; then closed."""
         out = [] if max_new <= 0 else [t for t in [self.first()] if t is not None]
         while self.pending is not None:
             if self.pending in stops:
-                self.rt.finish_reason = "stop"
+                self.finish_reason = "stop"
                 break
             if len(out) >= max_new:
+                self.finish_reason = "length"
                 break
             out += self.next(max_new - len(out), stops)
+        self.finish_reason = self.finish_reason or "length"      # max_new <= 0
         self.close()
         return out

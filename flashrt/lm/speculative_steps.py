@@ -1,4 +1,4 @@
-"""The main and draft-head steps of speculative decoding (flashrt/speculative.py): eager over a
+"""The main and draft-head steps of speculative decoding (flashrt/lm/speculative.py): eager over a
 session's arena, or graph-safe bodies (positions on device, full-capacity masked attention)
 that CUDA captures once per size and kind. Both can keep the fixed state after every verified
 position (session.StatePlanes), which a partial acceptance copies back.
@@ -16,7 +16,7 @@ from flashrt.core.step import StepCtx
 # ---- steps: eager, static (graph body run eagerly), or captured ---------------------------------
 class EagerSteps:
     """Main all-position step (not committed) and draft-head step, eager (host positions), over
-    a session's arena: its caller holds the arena (forks sharing it take turns: slots.py)."""
+    a session's arena: its caller holds the arena (forks sharing it take turns: core/shared.py)."""
 
     def __init__(self, net, session):
         self.net, self.session = net, session
@@ -44,7 +44,8 @@ class EagerSteps:
         return self.session.step(ids.shape[0], body, commit=False)
 
     def draft(self, tokens: torch.Tensor, hidden: torch.Tensor, row0: int, last_only: bool = False):
-        """Draft head over pairs at rows row0.. (writes its rows there). (logits, hidden)."""
+        """Draft head over pairs at rows row0.. (writes its rows there). Returns (logits
+        (T, V), or (1, V) of the last pair if last_only (a prefill writing rows), hidden (T, H))."""
         T = tokens.shape[0]
         ctx = StepCtx(T, torch.arange(row0, row0 + T, device=tokens.device), start=row0)
         return self.net.draft(tokens, hidden, ctx, self.session.arena, last_only)
@@ -53,8 +54,9 @@ class EagerSteps:
 class SpecSteps(EagerSteps):
     """Graph-safe bodies (positions on device, full-capacity masked attention) for T <= max_T;
     capture=True (CUDA) records one graph per size and kind, capture=False runs the same
-    bodies eagerly (how the CPU tests check them). Larger sizes fall back to eager. The bodies
-    read only the arena and these buffers: forks sharing the arena share one set (steps_for)."""
+    bodies eagerly (how the CPU tests check them). Larger sizes fall back to eager. main and
+    draft take and return what EagerSteps' do. The bodies read only the arena and these
+    buffers: forks sharing the arena share one set (Speculator.steps_for)."""
 
     def __init__(self, net, session, max_T: int, capture: bool):
         super().__init__(net, session)
@@ -98,22 +100,23 @@ class SpecSteps(EagerSteps):
             return super().main(ids, all_logits, planes)
         self.planes = self.graph_planes if planes else None
         self.ids[:T].copy_(ids)
-        if ("main", T) in self.graphs:
-            h, logits = self.graphs.replay(("main", T))
-            return h.clone(), logits.clone()
-        return self._main_body(T)
+        replayed = ("main", T) in self.graphs
+        h, logits = self.graphs.replay(("main", T)) if replayed else self._main_body(T)
+        # one body per size runs the vocab head on every position: the last is what was asked
+        logits = logits if all_logits else logits[-1:]
+        return (h.clone(), logits.clone()) if replayed else (h, logits)
 
-    def draft(self, tokens, hidden, row0):
+    def draft(self, tokens, hidden, row0, last_only=False):
         T = tokens.shape[0]
         if T > self.max_T:
-            return super().draft(tokens, hidden, row0)
+            return super().draft(tokens, hidden, row0, last_only)
         self.m_tok[:T].copy_(tokens)
         self.m_hid[:T].copy_(hidden)
         self.m_pos.fill_(row0)
-        if ("draft", T) in self.graphs:
-            logits, h = self.graphs.replay(("draft", T))
-            return logits.clone(), h.clone()
-        return self._draft_body(T)
+        replayed = ("draft", T) in self.graphs
+        logits, h = self.graphs.replay(("draft", T)) if replayed else self._draft_body(T)
+        logits = logits[-1:] if last_only else logits      # as in main: the head ran on every row
+        return (logits.clone(), h.clone()) if replayed else (logits, h)
 
     def planes_for(self, T):
         return self.graph_planes if T <= self.max_T else super().planes_for(T)

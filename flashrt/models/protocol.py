@@ -72,7 +72,17 @@ class StatefulModel(nn.Module):
     # ---- optional draft head (speculative decoding) -------------------------------------
     @property
     def has_draft_head(self) -> bool:
+        """Whether this model, with the weights it loaded, can draft (draft() works)."""
         return False
+
+    @property
+    def draft_hidden(self) -> str | None:
+        """The state buffer (hidden,) where forward() leaves the last position's hidden state
+        (and its plane, ctx.planes[name], per position): draft()'s `hidden` for the next pair.
+        None: the model type has no draft head. A type that has one names it even when a
+        checkpoint lacks the head's weights (has_draft_head False; then no buffer exists).
+        A subclass overrides it with a class attribute."""
+        return None
 
     def draft(self, ids: torch.Tensor, hidden: torch.Tensor, ctx: StepCtx, state, last_only: bool = False):
         """ids (T,) = tokens at p+1, hidden (T, H) = the model's hidden at p, ctx.positions = p.

@@ -222,7 +222,7 @@ class MTP(nn.Module):
 class Model(CausalLM):
     model_type = "qwen3_5"
     fp32_params = ("linear_attn.A_log", "linear_attn.dt_bias")
-    draft_hidden = "mtp.hidden"     # the buffer the draft head drafts from
+    draft_hidden = "mtp.hidden"     # StatefulModel.draft_hidden: hidden() writes it
     state_planes = True
 
     def __init__(self, c: Qwen3_5Config):
