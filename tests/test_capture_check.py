@@ -1,5 +1,5 @@
 """The bodies CUDA graphs capture, checked on CPU for what a graph would get wrong
-(flashrt/capture_check.py): host syncs, host tensors, and work that depends on host state."""
+(flashrt/core/capture_check.py): host syncs, host tensors, and work that depends on host state."""
 from __future__ import annotations
 
 import pytest

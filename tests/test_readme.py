@@ -30,3 +30,16 @@ def test_api_tour_runs_unchanged(tmp_path, monkeypatch):
     exec(compile(blocks[1], "README.md (reuse)", "exec"), env)
     assert env["cap"].position > 0 and len(env["toks"]) > 0
     assert (tmp_path / "turn1.capsule").exists()
+
+
+def test_public_names_of_the_readme_resolve():
+    import importlib
+    names = ["flashrt.load", "flashrt.load_policy", "flashrt.Session", "flashrt.LanguageModel",
+             "flashrt.save_capsule", "flashrt.load_capsule", "flashrt.Capsule",
+             "flashrt.capsules.CapsuleStore", "flashrt.capsules.redis_tier.RedisTier",
+             "flashrt.models.make_checkpoint", "flashrt.serve.build", "flashrt.serve.main",
+             "flashrt.lm.load", "flashrt.lm.Options", "flashrt.core.capture_check.hazards",
+             "flashrt.models.base.StatefulModel"]
+    for name in names:
+        mod, _, attr = name.rpartition(".")
+        assert callable(getattr(importlib.import_module(mod), attr)), name

@@ -7,7 +7,7 @@ One round, from a session at rest at position P (tokens [0, P) committed, the la
 prediction for P) with a pending token x0 (chosen, not yet run through the model):
 1. draft d1..dk (greedy: argmax; sampling: d ~ q under the target's temperature/top-k/top-p);
 2. verify [x0, d1..dk] at positions P..P+k in one step (all-position hidden and logits); the
-   step also keeps every fixed buffer's value after each position (session.StatePlanes);
+   step also keeps every fixed buffer's value after each position (flashrt.core.session.StatePlanes);
 3. accept (acceptance.py; uniforms from the arena RNG, so capsules carry the stream);
 4. commit x0, d1..da; on partial acceptance the fixed state becomes its plane after d_a (one
    copy; KV is rewound by position); 5. the correction/bonus token becomes the next pending one.

@@ -1,7 +1,7 @@
 """The main and draft-head steps of speculative decoding (flashrt/lm/speculative.py): eager over a
 session's arena, or graph-safe bodies (positions on device, full-capacity masked attention)
 that CUDA captures once per size and kind. Both can keep the fixed state after every verified
-position (session.StatePlanes), which a partial acceptance copies back.
+position (flashrt.core.session.StatePlanes), which a partial acceptance copies back.
 """
 from __future__ import annotations
 
