@@ -25,6 +25,7 @@ RULES = {
     "models": {"core.arena", "core.step", "core.rng", "nn", "native"},
     "lm": {"core", "models", "capsules"},
     "policy": {"core", "models", "capsules"},
+    "speech": {"core", "models", "capsules"},
     "serve": {"lm", "capsules"},
     "dev": {"*"},
     "cli": {"lm", "serve", "dev", "models", "native"},

@@ -15,4 +15,6 @@ from flashrt.nn.linear_attn import (causal_conv, chunk_gated_delta_rule, fast_ke
                                     recurrent_gated_delta_rule)
 
 from .causal_lm import CausalLM  # noqa: F401
-from .protocol import InputSpec, PolicyModel, StatefulModel, check, check_rope, require  # noqa: F401
+from .protocol import (InputSpec, PolicyModel, StatefulModel, VadModel, check, check_rope,  # noqa: F401
+                       require)
+from .protocol import CodecModel, SynthesizerModel  # noqa: F401

@@ -7,6 +7,8 @@ buffers in place, so the same forward runs eagerly on CPU and inside a captured 
 Required: `state_specs`, `input_specs`, `forward`, and a module-level `CONFIG` with
 `from_hf(dict)` in the model file. Everything else below is an optional hook with a default.
 A policy model (flashrt.policy) derives from PolicyModel, which adds attributes and buffers.
+A voice activity model (flashrt.speech) derives from VadModel, which adds attributes.
+A text-to-speech model derives from SynthesizerModel, its audio codec from CodecModel.
 """
 from __future__ import annotations
 
@@ -143,3 +145,69 @@ def check_rope(cfg: dict, model_type: str) -> dict:
     check(rope.get("rope_type", "default") == "default", model_type, "rope_parameters.rope_type",
           f"{rope.get('rope_type')} (only default rope is implemented)")
     return rope
+
+
+class VadModel(StatefulModel):
+    """Base class of a voice activity model: PCM chunks in, one speech probability per chunk
+    out, run by flashrt.speech.VoiceActivity (Silero's VADIterator / get_speech_timestamps
+    rules); models/silero_vad.py is one. The speech layer checks isinstance, these attributes
+    (set in __init__) and the input below, naming what is missing.
+
+    forward({"pcm": (T, chunk_samples) float32 in [-1, 1]}, ctx, state, all_positions=True)
+    runs T consecutive chunks and returns {"prob": (T,) float32}. Every piece of its state is a
+    fixed-size arena buffer it declares (recurrent / conv kinds), the context samples it puts
+    before each chunk included, so a capsule continues bitwise. One session position is one chunk.
+    """
+    sample_rate: int         # Hz of the PCM it takes (the speech layer refuses any other)
+    chunk_samples: int       # new samples per chunk
+    context_samples: int     # samples of the previous chunk each chunk also sees (state)
+
+
+class SynthesizerModel(StatefulModel):
+    """Base class of a text-to-speech model over continuous audio latents: a backbone whose
+    flow head samples one latent per frame, and an end-of-speech rule; models/pocket_tts.py is
+    one. A CodecModel (its own file and checkpoint folder) turns the latents into PCM; the
+    speech layer (flashrt.speech.Synthesizer) runs both on one session, so a capsule holds both.
+
+    One session position is one backbone position: the prompt (voice, then text), then one per
+    frame. forward({"ids": (T,) int64, "voice"?: (T, latent_dim) float32}, ctx, state) runs
+    prompt positions (voice rows are taken where ids == audio_prompt_token_id) and samples
+    nothing. forward({} or {"noise": (1, latent_dim)}, ctx, state) with ctx.T == 1 is one frame:
+    its input is the latent of the position before (the learnt BOS latent at frame 0); it samples
+    the next latent from noise (given, or drawn from its rng buffer) times the noise scale, applies
+    the end-of-speech rule and returns {"latent": (1, latent_dim) normalised, "eos_logit": (1,),
+    "done": (1,) bool}. begin() writes an utterance's knobs into the meta buffers; denormalize()
+    maps latents to the codec's space. The per-position latent history is the next frame's input,
+    so rolling back by position is exact and a codec can replay it.
+    """
+    latent_dim: int          # width of one latent frame
+    frame_rate: float        # frames per second
+    prompt_bos_id: int       # token before the voice latents
+    prompt_id: int           # placeholder of a voice latent position
+    history: str             # the (capacity, latent_dim) buffer of latents sampled per position
+
+    def begin(self, state, temperature: float = 0.7, frames_after_eos: int = 2,
+              eos_threshold: float = -4.0, min_frames_before_eos: int = 6) -> None:
+        """A new utterance: frame counter 0, no end of speech seen, these knobs."""
+        raise NotImplementedError
+
+    def denormalize(self, latents: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class CodecModel(StatefulModel):
+    """Base class of a streaming audio codec over continuous latents (models/pocket_tts_codec.py).
+
+    forward({"latent": (T, latent_dim) float32}, ctx, state) decodes T frames and returns
+    {"pcm": (T, frame_size) float32}; decoding frame by frame equals decoding them at once. Its
+    whole decoder state is fixed-size buffers (conv contexts, transposed-conv overlaps, a
+    sliding attention window, a meta step counter): a capsule carries it at any point.
+    encode((N,) float32 PCM at sample_rate) -> (ceil(N / frame_size), latent_dim) latents, one
+    shot and stateless (a voice prompt).
+    """
+    sample_rate: int         # Hz of the PCM
+    frame_size: int          # samples per latent frame
+    latent_dim: int
+
+    def encode(self, pcm: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError

@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Makes the real-speech test audio in tests/data/speech/ (16 kHz mono 16-bit WAV, read by
+# tests/test_speech_vad.py with Python's wave module): espeak-ng speaks, sox resamples, adds
+# quiet noise in repeatable mode (-R: same bytes each run) and joins the pieces with silences.
+# Needs Debian's espeak-ng and sox (apt-get install -y espeak-ng sox). Output is committed; rerun
+# only to change it (another espeak-ng or sox version may give other bytes).
+#
+#   scripts/make_speech_wavs.sh [OUT_DIR]       # default tests/data/speech
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT=${1:-tests/data/speech}
+mkdir -p "$OUT"
+TMP=$(mktemp -d)
+trap 'rm -rf "$TMP"' EXIT
+
+say() {   # say NAME VOICE TEXT: one utterance at 16 kHz mono, espeak's lead-in/out trimmed
+  espeak-ng -v "$2" -s 165 -w "$TMP/$1.raw.wav" "$3"
+  sox -R "$TMP/$1.raw.wav" -r 16000 -c 1 -b 16 "$TMP/$1.wav" \
+      silence 1 0.02 0.5% reverse silence 1 0.02 0.5% reverse
+}
+gap() {   # gap NAME SECONDS: silence at 16 kHz mono
+  sox -R -n -r 16000 -c 1 -b 16 "$TMP/$1.wav" trim 0 "$2"
+}
+join() {  # join OUT PIECES...: concatenated, then quiet noise (about -60 dBFS) mixed in
+  local out=$1; shift
+  sox -R "${@/#/$TMP/}" "$TMP/cat.wav"
+  sox -R "$TMP/cat.wav" -p synth whitenoise vol 0.001 | sox -R -m "$TMP/cat.wav" - -b 16 "$out"
+}
+
+say kitchen en-us "Turn on the kitchen lights."
+say time en-gb "What time is it in Tokyo?"
+say hello en-us "Hello"
+say there en-us "there, how are you today?"
+say hm en-us "Hm."
+gap g300 0.3
+gap g800 0.8
+gap g70 0.07
+
+# two utterances with a pause between them
+join "$OUT/two_utterances.wav" g300.wav kitchen.wav g800.wav time.wav g300.wav
+# a short pause (shorter than the default min_silence_duration_ms) inside one utterance, then
+# a short sound after a pause (near min_speech_duration_ms)
+join "$OUT/short_pause.wav" g300.wav hello.wav g70.wav there.wav g800.wav hm.wav g300.wav
+for f in "$OUT"/*.wav; do echo "$f: $(soxi -D "$f") s, $(stat -c %s "$f") bytes"; done
