@@ -17,7 +17,7 @@ pytest.importorskip("openai")
 
 from serve_util import Server, sse  # noqa: E402
 
-from flashrt.serve.sessions import SessionTable  # noqa: E402
+from flashrt.serve.conversations import ConversationTable  # noqa: E402
 
 LONG = {"temperature": 0, "ignore_eos": True}
 
@@ -85,10 +85,12 @@ def test_worker_call_and_queued_request_share_the_last_session(one):
 def test_worker_death_fails_the_work_it_had_taken(tiny):
     """The worker dies while admitting a request, after it gave a session to a queued call in
     the same round: the call's future and the request both fail (503) instead of hanging."""
-    import flashrt
     from flashrt.serve.engine import Engine, Job
-    from flashrt.serve.protocol import APIError
-    eng = Engine(lambda: flashrt.load(tiny, max_seq_len=64), budget_bytes=0, max_sessions=3)
+    from flashrt.serve.events import Failed
+    from flashrt.serve.options import ServeOptions
+    from flashrt.serve.wire import APIError
+    eng = Engine(ServeOptions.from_settings(max_seq_len=64, max_sessions=3, capsule_budget_mb=0),
+                 model_dir=tiny)
     gate, events = threading.Event(), []
     try:
         first = eng.call(lambda rt: gate.wait(30))           # holds one session, and the worker
@@ -102,7 +104,7 @@ def test_worker_death_fails_the_work_it_had_taken(tiny):
         assert first.result(timeout=10) is True
         with pytest.raises(APIError, match="engine worker died: TypeError"):
             taken.result(timeout=10)
-        assert [e[0] for e in events] == ["error"] and events[0][1].status == 503
+        assert [type(e) for e in events] == [Failed] and events[0].error.status == 503
         with pytest.raises(APIError) as e:
             eng.call(lambda rt: None)
         assert e.value.status == 503
@@ -171,6 +173,8 @@ def test_no_delta_after_a_cancel():
     from types import SimpleNamespace
 
     from flashrt.serve.app import _sse
+    from flashrt.serve.engine import Cut
+    from flashrt.serve.events import Delta, Done, Finished
     job = SimpleNamespace(id="cmpl-x", n=1, cancel=None, delivered=[0])
     req = SimpleNamespace(stream_options=None)
 
@@ -178,11 +182,11 @@ def test_no_delta_after_a_cancel():
         q = asyncio.Queue()
         out = []
         gen = _sse(None, job, q, "text", "m", req)
-        q.put_nowait(("delta", 0, "a", 0, [5]))
+        q.put_nowait(Delta(0, "a", 0, (5,)))
         out.append(await gen.__anext__())
-        job.cancel = ("tokens", [1])
-        for ev in [("delta", 0, "b", 1, [6]), ("delta", 0, "c", 2, [7]),
-                   ("finish", 0, "cancelled", 0, [5]), ("done", (2, 1, 0))]:
+        job.cancel = Cut("tokens", (1,))
+        for ev in [Delta(0, "b", 1, (6,)), Delta(0, "c", 2, (7,)),
+                   Finished(0, "cancelled", 0, (5,)), Done(2, 1, 0)]:
             q.put_nowait(ev)
         out += [x async for x in gen]
         return out
@@ -272,7 +276,7 @@ def test_queue_zero_serves_when_idle_and_pins_keep_half_the_budget(tiny, tmp_pat
 
 def test_session_table_expires_idle_sessions_and_evicts_the_oldest():
     now = [0.0]
-    t = SessionTable(limit=2, idle_s=10, clock=lambda: now[0])
+    t = ConversationTable(limit=2, idle_s=10, clock=lambda: now[0])
     a, b = t.create([1]), t.create([2])
     now[0] = 5
     t.get(a.id)                                  # a used more recently than b

@@ -116,22 +116,25 @@ def test_engine_turn_speculates_and_leaves_draft_rows_valid(model):
     one its turn-end capsule copies) holds the draft head's rows [0, P-1) and hidden as a
     one-shot MTP pass over its history writes them, so the next turn drafts from them."""
     from flashrt.serve.engine import Choice, Engine, Job
+    from flashrt.serve.events import FINAL, Done, Finished
+    from flashrt.serve.options import ServeOptions
     from flashrt.serve.text import TextStream
-    eng = Engine(lambda: flashrt.load(model, dtype="float32", max_seq_len=512, sessions=1),
-                 budget_bytes=64 << 20, max_sessions=1, draft_tokens=DRAFTS)
+    options = ServeOptions.from_settings(dtype="float32", max_seq_len=512, max_sessions=1,
+                                         capsule_budget_mb=64, draft_tokens=DRAFTS)
+    eng = Engine(options, model_dir=model)
     try:
-        rt = eng.slots[0]
+        rt = eng.models[0]
         events, done = [], threading.Event()
 
         def post(ev):
             events.append(ev)
-            if ev[0] in ("done", "error"):
+            if isinstance(ev, FINAL):
                 done.set()
         P = rt.tokenizer.encode(CODE)
         job = Job("cmpl-1", P, 1, 32, 0.0, 1.0, None, [], post, ignore_eos=True)
         job.choices = [Choice(0, TextStream(eng.tokenizer, []), 0)]
         eng.submit(job)
-        assert done.wait(60) and events[-1][0] == "done", events[-1]
+        assert done.wait(60) and isinstance(events[-1], Done), events[-1]
         st = rt.speculation().stats
         assert st["accepted"] > 0 and st["rounds"] < 32
         toks = rt.tokens
@@ -157,9 +160,9 @@ def test_engine_turn_speculates_and_leaves_draft_rows_valid(model):
             job = Job(f"cmpl-s{i}", P, 1, 32, 0.0, 1.0, None, [text[c:c + 2]], post, ignore_eos=True)
             job.choices = [Choice(0, TextStream(eng.tokenizer, job.stops), 0)]
             eng.submit(job)
-            assert done.wait(60) and events[-1][0] == "done", events[-1]
-            fin = next(e for e in events if e[0] == "finish")
-            assert fin[2] == "stop" and rt.tokens == P + fin[4], (c, fin)
+            assert done.wait(60) and isinstance(events[-1], Done), events[-1]
+            fin = next(e for e in events if isinstance(e, Finished))
+            assert fin.reason == "stop" and rt.tokens == P + list(fin.token_ids), (c, fin)
     finally:
         eng.close()
 

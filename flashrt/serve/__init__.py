@@ -3,8 +3,10 @@
 Rule: HTTP only. serve/ reaches the runtime through the public faces of flashrt.lm and
 flashrt.capsules (and errors); it never imports core, nn, models, native, policy or dev.
 
-Layout: protocol.py (wire models, errors), app.py + session_routes.py (thin routes),
-engine.py (the stepping worker), text.py (templates, detokenization, stops), tiers.py
-(capsule memory + disk), sessions.py (/v1/sessions). Needs the `serve` extra.
+Layout: options.py (ServeOptions: every setting, once), server.py (build, the command line),
+wire.py (request models, responses, errors), app.py + session_routes.py (thin routes),
+events.py (what the worker posts to a request), engine.py (the stepping worker), turns.py (one
+request's turn), text.py (templates, detokenization, stops), turn_store.py (TurnStore: capsule
+memory + disk), conversations.py (Conversation: a /v1/sessions history). Needs the `serve` extra.
 """
 from .server import build, main  # noqa: F401

@@ -1,7 +1,7 @@
-"""FastAPI routes: parse (protocol.py), hand a Job to the engine, stream its events back.
+"""FastAPI routes: parse (wire.py), hand a Job to the engine, stream its events back.
 
 OpenAI endpoints: GET /v1/models, POST /v1/completions, POST /v1/chat/completions, plus
-POST /v1/{chat/completions,completions}/{id}/cancel (barge-in). Sessions: see sessions.py.
+POST /v1/{chat/completions,completions}/{id}/cancel (barge-in). Sessions: session_routes.py.
 """
 from __future__ import annotations
 
@@ -16,10 +16,13 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from . import protocol as P
-from .engine import Choice, Job, new_seed
-from .sessions import SessionTable
+from . import wire
+from .conversations import ConversationTable
+from .engine import Choice, Job, new_seed, wait
+from .events import FINAL, Cancelled, Delta, Done, Failed, Finished
+from .options import ServeOptions
 from .text import TextStream
+from .wire import APIError
 
 MAX_BODY = 8 << 20
 
@@ -37,8 +40,8 @@ class Guard:
         if self.key is not None:
             auth = headers.get(b"authorization", b"").decode("latin-1")
             if not (auth.startswith("Bearer ") and secrets.compare_digest(auth[7:].encode(), self.key.encode())):
-                err = P.APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
-                                 type="authentication_error", code="invalid_api_key")
+                err = APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
+                               type="authentication_error", code="invalid_api_key")
                 return await _send_error(err, scope, receive, send)
         length = headers.get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_body:
@@ -57,20 +60,20 @@ class Guard:
 
 
 def _too_big(n, limit):
-    return P.APIError(413, f"request body of {n}+ bytes exceeds the limit of {limit} bytes",
-                      code="body_too_large")
+    return APIError(413, f"request body of {n}+ bytes exceeds the limit of {limit} bytes",
+                    code="body_too_large")
 
 
 async def _send_error(err, scope, receive, send):
     await _error_response(err)(scope, receive, send)
 
 
-def _error_response(err: P.APIError) -> JSONResponse:
+def _error_response(err: APIError) -> JSONResponse:
     return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
 
 
-def create_app(engine, template, model_name: str, api_key: str | None = None, max_body: int = MAX_BODY,
-               session_idle_s: float = 3600.0) -> FastAPI:
+def create_app(engine, template, model_name: str, options: ServeOptions) -> FastAPI:
+    """The routes over a started engine (API key and body limit: see Guard)."""
     @contextlib.asynccontextmanager
     async def lifespan(app):
         yield
@@ -80,57 +83,57 @@ def create_app(engine, template, model_name: str, api_key: str | None = None, ma
         print("flashrt serve: stopped; turn capsules flushed", file=sys.stderr, flush=True)
     app = FastAPI(title="flashrt serve", docs_url=None, redoc_url=None, openapi_url=None,
                   lifespan=lifespan)
-    sessions = SessionTable(idle_s=session_idle_s)
+    conversations = ConversationTable(idle_s=options.session_idle_s)
     app.state.model_name = model_name
-    rt_max = engine.rt.max_seq_len
+    rt_max = engine.max_seq_len
 
-    @app.exception_handler(P.APIError)
-    async def _api_error(request, exc: P.APIError):
+    @app.exception_handler(APIError)
+    async def _api_error(request, exc: APIError):
         return _error_response(exc)
 
     @app.exception_handler(HTTPException)
     async def _http_error(request, exc: HTTPException):
-        return _error_response(P.APIError(exc.status_code, f"{exc.detail}: {request.method} {request.url.path}",
-                                          code="not_found" if exc.status_code == 404 else None))
+        return _error_response(APIError(exc.status_code, f"{exc.detail}: {request.method} {request.url.path}",
+                                        code="not_found" if exc.status_code == 404 else None))
 
     def check_model(req):
         if req.model and req.model != model_name:
-            raise P.APIError(404, f"unknown model {req.model!r}: this server serves {model_name!r}",
-                             param="model", code="model_not_found")
+            raise APIError(404, f"unknown model {req.model!r}: this server serves {model_name!r}",
+                           param="model", code="model_not_found")
 
     def check_prompt(ids: list, req) -> int:
         bad = next((j for j, t in enumerate(ids) if not (isinstance(t, int) and 0 <= t < engine.vocab)), None)
         if bad is not None:
-            raise P.APIError(400, f"token id {ids[bad]!r} at index {bad} is outside the vocabulary "
-                             f"[0, {engine.vocab})", param="prompt")
+            raise APIError(400, f"token id {ids[bad]!r} at index {bad} is outside the vocabulary "
+                           f"[0, {engine.vocab})", param="prompt")
         if len(ids) >= rt_max:
-            raise P.APIError(400, f"prompt of {len(ids)} tokens leaves no room to generate: "
-                             f"max_seq_len is {rt_max}", param="prompt", code="context_length_exceeded")
+            raise APIError(400, f"prompt of {len(ids)} tokens leaves no room to generate: "
+                           f"max_seq_len is {rt_max}", param="prompt", code="context_length_exceeded")
         limit = req.limit()
         if limit is not None and limit > rt_max:
-            raise P.APIError(400, f"{req.limit_field()} {limit} exceeds max_seq_len {rt_max}",
-                             param=req.limit_field())
+            raise APIError(400, f"{req.limit_field()} {limit} exceeds max_seq_len {rt_max}",
+                           param=req.limit_field())
         if isinstance(req.pin_prefix, int) and not 0 <= req.pin_prefix <= len(ids):
-            raise P.APIError(400, f"pin_prefix {req.pin_prefix} is outside the prompt [0, {len(ids)}]",
-                             param="pin_prefix")
+            raise APIError(400, f"pin_prefix {req.pin_prefix} is outside the prompt [0, {len(ids)}]",
+                           param="pin_prefix")
         room = rt_max - len(ids)
         return min(limit, room) if limit is not None else room
 
-    async def run(request, kind, req, ids, pin=0, session=None, default_max=None):
+    async def run(request, kind, req, ids, pin=0, conversation=None, default_max=None):
         check_model(req)
         max_tokens = check_prompt(ids, req)
         if default_max is not None and req.limit() is None:
             max_tokens = min(max_tokens, default_max)
         if isinstance(req.pin_prefix, int):
             pin = req.pin_prefix
-        if session is not None and req.n != 1:
-            raise P.APIError(400, "n must be 1 in a session turn", param="n")
+        if conversation is not None and req.n != 1:
+            raise APIError(400, "n must be 1 in a session turn", param="n")
         loop, q = asyncio.get_running_loop(), asyncio.Queue()
         base = req.seed if req.seed is not None else new_seed()
-        job = Job(id=P.new_id("chatcmpl" if kind == "chat" else "cmpl"), prompt=ids, n=req.n,
+        job = Job(id=wire.new_id("chatcmpl" if kind == "chat" else "cmpl"), prompt=ids, n=req.n,
                   max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
-                  seed=req.seed, stops=req.stops(), pin=pin, session=session, ignore_eos=req.ignore_eos,
-                  post=lambda ev: loop.call_soon_threadsafe(q.put_nowait, ev))
+                  seed=req.seed, stops=req.stops(), pin=pin, conversation=conversation,
+                  ignore_eos=req.ignore_eos, post=lambda ev: loop.call_soon_threadsafe(q.put_nowait, ev))
         job.choices = [Choice(i, TextStream(engine.tokenizer, job.stops), base + i) for i in range(req.n)]
         engine.submit(job)
         if req.stream:
@@ -147,19 +150,19 @@ def create_app(engine, template, model_name: str, api_key: str | None = None, ma
     @app.get("/v1/models/{name}")
     async def model(name: str):
         if name != model_name:
-            raise P.APIError(404, f"unknown model {name!r}: this server serves {model_name!r}",
-                             param="model", code="model_not_found")
+            raise APIError(404, f"unknown model {name!r}: this server serves {model_name!r}",
+                           param="model", code="model_not_found")
         return card
 
     @app.get("/health")
     async def health():
         if engine.error:
-            raise P.APIError(503, engine.error, type="server_error")
+            raise APIError(503, engine.error, type="server_error")
         return {"status": "ok"}
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
-        req = P.parse(P.ChatRequest, await request.body())
+        req = wire.parse(wire.ChatRequest, await request.body())
         try:
             msgs = [{"role": m.role, "content": m.text()} for m in req.messages]
             ids = engine.tokenizer.encode(template.render(msgs))
@@ -172,55 +175,45 @@ def create_app(engine, template, model_name: str, api_key: str | None = None, ma
                                      "token prefix of the prompt under this template")
                 pin = len(pre)
         except ValueError as e:
-            raise P.APIError(400, str(e), param="messages") from None
+            raise APIError(400, str(e), param="messages") from None
         return await run(request, "chat", req, ids, pin=pin)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        req = P.parse(P.CompletionRequest, await request.body())
+        req = wire.parse(wire.CompletionRequest, await request.body())
         p = req.prompt_one()
         ids = engine.tokenizer.encode(p) if isinstance(p, str) else list(p)
         if req.pin_prefix == "system":
-            raise P.APIError(400, "pin_prefix='system' needs chat messages; give a token count",
-                             param="pin_prefix")
+            raise APIError(400, "pin_prefix='system' needs chat messages; give a token count",
+                           param="pin_prefix")
         return await run(request, "text", req, ids, default_max=16)
 
     async def cancel(rid: str, request: Request):
         body = await request.body()
-        c = P.parse(P.CancelRequest, body or b"{}")
-        job = engine.job(rid)
-        kind, vals = c.per_choice(job.n)
-        out = engine.cancel(rid, kind, vals)
-        if hasattr(out["kept_tokens"], "result"):
-            out["kept_tokens"] = await asyncio.wrap_future(out["kept_tokens"])
-        elif out["kept_tokens"] is None:
-            await asyncio.to_thread(job_done_wait, job)
-            out["kept_tokens"] = getattr(job, "kept", None)
-        return out
+        req = wire.parse(wire.CancelRequest, body or b"{}")
+        kind, vals = req.per_choice(engine.job(rid).n)
+        cancellation = engine.cancel(rid, kind, vals)
+        return {"id": cancellation.id, "cancelled": True, "kept_tokens": await wait(cancellation.kept)}
 
     app.post("/v1/chat/completions/{rid}/cancel")(cancel)
     app.post("/v1/completions/{rid}/cancel")(cancel)
 
     from .session_routes import add_session_routes
-    add_session_routes(app, engine, sessions, run)
+    add_session_routes(app, engine, conversations, run)
     return app
-
-
-def job_done_wait(job, timeout: float = 30.0) -> None:
-    job.finished.wait(timeout)
 
 
 async def _events(job, q):
     while True:
         ev = await q.get()
         yield ev
-        if ev[0] in ("done", "error"):
+        if isinstance(ev, FINAL):
             return
 
 
 async def _collect(request, engine, job, q, kind, model_name):
     texts, finish, ids = [""] * job.n, [None] * job.n, [[] for _ in range(job.n)]
-    created, gone, checked = P.now(), False, time.monotonic()
+    created, gone, checked = wire.now(), False, time.monotonic()
     while True:
         try:
             ev = await asyncio.wait_for(q.get(), timeout=0.25)
@@ -234,53 +227,58 @@ async def _collect(request, engine, job, q, kind, model_name):
                 engine.cancel(job.id, "tokens", [0] * job.n)    # nothing was delivered
         if ev is None:
             continue
-        if ev[0] == "delta":
-            texts[ev[1]] += ev[2]
-        elif ev[0] == "finish":
-            finish[ev[1]], ids[ev[1]] = ev[2], ev[4]
-        elif ev[0] == "error":
-            raise ev[1]
-        elif ev[0] == "done":
-            if ev[1] is None:
-                raise P.APIError(499, "request cancelled before it started", code="cancelled")
-            choices = [P.choice(kind, i, texts[i], finish[i], ids[i]) for i in range(job.n)]
-            return P.response(kind, job.id, model_name, choices, P.usage(*ev[1]), created)
+        if isinstance(ev, Delta):
+            texts[ev.index] += ev.text
+        elif isinstance(ev, Finished):
+            finish[ev.index], ids[ev.index] = ev.reason, list(ev.token_ids)
+        elif isinstance(ev, Failed):
+            raise ev.error
+        elif isinstance(ev, Cancelled):
+            raise APIError(499, "request cancelled before it started", code="cancelled")
+        elif isinstance(ev, Done):
+            choices = [wire.choice(kind, i, texts[i], finish[i], ids[i]) for i in range(job.n)]
+            return wire.response(kind, job.id, model_name, choices, _usage(ev), created)
 
 
 async def _sse(engine, job, q, kind, model_name, req):
-    created, done = P.now(), False
+    created, done = wire.now(), False
     first, sent = [True] * job.n, [0] * job.n
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     try:
         async for ev in _events(job, q):
-            if ev[0] == "delta":
+            if isinstance(ev, Delta):
                 if job.cancel is not None:             # cut: these tokens are being rolled back
                     continue
-                _, i, text, tidx, new = ev
-                c = P.chunk(kind, job.id, model_name, created, i, text, None, tidx, new, first[i])
+                i, new = ev.index, list(ev.token_ids)
+                c = wire.chunk(kind, job.id, model_name, created, i, ev.text, None, ev.token_index, new, first[i])
                 first[i], sent[i] = False, sent[i] + len(new)
                 yield f"data: {json.dumps(c)}\n\n"
                 job.delivered[i] = sent[i]             # reached here: the chunk was handed to the socket
-            elif ev[0] == "finish":
-                _, i, reason, tidx, ids = ev
-                rest = ids[sent[i]:]                   # an EOS id: its token has no text
-                c = P.chunk(kind, job.id, model_name, created, i, None, reason, tidx, rest, first[i])
+            elif isinstance(ev, Finished):
+                i = ev.index
+                rest = list(ev.token_ids[sent[i]:])    # an EOS id: its token has no text
+                c = wire.chunk(kind, job.id, model_name, created, i, None, ev.reason, ev.token_index, rest,
+                               first[i])
                 first[i], sent[i] = False, sent[i] + len(rest)
                 yield f"data: {json.dumps(c)}\n\n"
                 job.delivered[i] = sent[i]
-            elif ev[0] == "error":
+            elif isinstance(ev, Failed):
                 done = True
-                yield f"data: {json.dumps(ev[1].body())}\n\n"
-            elif ev[0] == "done":
+                yield f"data: {json.dumps(ev.error.body())}\n\n"
+            elif isinstance(ev, (Done, Cancelled)):
                 done = True
-                if include_usage and ev[1] is not None:
+                if include_usage and isinstance(ev, Done):
                     u = {"id": job.id, "object": "chat.completion.chunk" if kind == "chat" else "text_completion",
-                         "created": created, "model": model_name, "choices": [], "usage": P.usage(*ev[1])}
+                         "created": created, "model": model_name, "choices": [], "usage": _usage(ev)}
                     yield f"data: {json.dumps(u)}\n\n"
                 yield "data: [DONE]\n\n"
     finally:
         if not done:                                   # a bare disconnect keeps what was sent
             try:
                 engine.cancel(job.id, "tokens", None)
-            except P.APIError:
+            except APIError:
                 pass
+
+
+def _usage(done: Done) -> dict:
+    return wire.usage(done.prompt_tokens, done.completion_tokens, done.cached_tokens)

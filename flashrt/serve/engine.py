@@ -4,11 +4,13 @@ The event loop never touches a runtime. It submits a Job (bounded queue: a full 
 429) and reads events from the job's asyncio queue; the worker admits jobs into free
 sessions (forks over shared weights, made at start), runs one step per active job per round
 (the first step sets the context: restore or roll back, prefill the rest; then one token per
-choice), and posts text deltas back with call_soon_threadsafe. A cancel is a flag the worker
-reads before its next step: it rolls the session back to prompt + delivered tokens.
+choice), and posts events (events.py) back with call_soon_threadsafe. A cancel is a Cut the
+worker reads before its next step: it rolls the session back to prompt + delivered tokens.
+Routes reach the model only through the methods here; none hands them a session.
 """
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import secrets
 import threading
@@ -16,12 +18,14 @@ import traceback
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
-from flashrt.lm import common_prefix
+from flashrt.lm import common_prefix, load as load_model
 
-from .protocol import APIError
+from .events import Cancelled, Done, Failed
+from .options import ServeOptions
 from .text import TextStream
-from .tiers import Tiers
+from .turn_store import TurnStore
 from .turns import Turns
+from .wire import APIError
 
 _RECENT = 512            # finished jobs kept so a late cancel still finds its conversation
 
@@ -39,6 +43,22 @@ class Choice:
     decoder: object = None        # speculative: the turn's round-at-a-time decoder
 
 
+@dataclass(frozen=True)
+class Cut:
+    """A cancel: keep per choice what was delivered. values: one per choice, what the client
+    says it received (tokens or characters, by kind); None: what the stream handed out."""
+    kind: str = "tokens"            # "tokens" | "chars"
+    values: tuple | None = None
+
+
+@dataclass(frozen=True)
+class Cancellation:
+    """Engine.cancel's answer. kept: a Future of, per choice, how many generated tokens the
+    conversation keeps; done at once unless the worker still has to apply the cut."""
+    id: str
+    kept: concurrent.futures.Future
+
+
 @dataclass
 class Job:
     id: str
@@ -52,27 +72,26 @@ class Job:
     post: object                  # callable(event): thread-safe hand-off to the event loop
     pin: int = 0                  # leading prompt tokens whose capsule is pinned
     ignore_eos: bool = False
-    session: object = None        # sessions.Session the turn belongs to
+    conversation: object = None   # conversations.Conversation the turn belongs to
     choices: list = field(default_factory=list)
     cached: int = 0
-    phase: str = "queued"         # queued -> running -> done
-    cancel: tuple | None = None   # (kind, values or None)
+    phase: str = "queued"         # queued -> running -> (ending ->) done
+    cancel: Cut | None = None
     delivered: list = field(default_factory=list)   # per choice, tokens the client received
     kept: list | None = None                        # per choice, after a cancel
     outcome: list | None = None                     # the history the turn left (choice 0)
-    finished: threading.Event = field(default_factory=threading.Event)
+    # per choice, the tokens its conversation keeps; set once the job is done
+    ended: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
 
 
 class Engine:
-    def __init__(self, load, budget_bytes: int, disk_dir=None, max_sessions: int = 4,
-                 max_queue: int | None = None, threads: int | None = None, shared=None,
-                 disk_bytes: int | None = None, draft_tokens: int = 0):
-        """load: () -> LanguageModel with max_sessions pooled sessions. The worker thread calls
-        it and then does all the model's work: with torch's OpenMP, a second thread's team
-        (the main thread's, from loading) makes libgomp throttle both teams' spin-waits."""
-        self.threads = threads
-        self.reuse = budget_bytes > 0      # 0: every prompt prefilled in full (a baseline)
-        self.max_queue = max_queue if max_queue is not None else 4 * max_sessions
+    def __init__(self, options: ServeOptions, *, model_dir):
+        """Load model_dir with options.lm (options.max_sessions sessions) on a worker thread of
+        its own, which then does all the model's work: with torch's OpenMP, a second thread's
+        team (the main thread's, from loading) makes libgomp throttle both teams' spin-waits."""
+        self.options = options
+        self.model_dir = model_dir
+        self.reuse = options.budget_bytes > 0      # 0: every prompt prefilled in full (a baseline)
         self._waiting: deque = deque()
         self._active: list = []
         self._jobs: OrderedDict = OrderedDict()       # id -> Job, active and recent
@@ -81,47 +100,57 @@ class Engine:
         self._cv = threading.Condition()
         self._stop = self._closed = False
         self.error: str | None = None
+        self._store: TurnStore | None = None
+        self._shared = None
+        if options.capsule_redis:          # a fleet-shared tier below this server's own
+            from flashrt.capsules.redis_tier import RedisTier
+            self._shared = RedisTier.from_url(options.capsule_redis)
         self._ready = threading.Event()
         self._load_error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, args=(load, budget_bytes, disk_dir, max_sessions,
-                                                                shared, disk_bytes, draft_tokens),
-                                        name="flashrt-engine", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="flashrt-engine", daemon=True)
         self._thread.start()
         self._ready.wait()
         if self._load_error is not None:
             self._thread.join()
+            if self._store is not None:
+                self._store.close()
+            elif self._shared is not None:
+                self._shared.close()
             raise self._load_error
 
-    def _setup(self, load, budget_bytes, disk_dir, max_sessions, shared, disk_bytes, draft_tokens) -> None:
-        if self.threads:             # torch's OpenMP thread count is per calling thread
+    def _setup(self) -> None:
+        o = self.options
+        if o.threads:                # torch's OpenMP thread count is per calling thread
             import torch
-            torch.set_num_threads(self.threads)
-        rt = self.rt = load()
-        if draft_tokens and not rt.net.has_draft_head:
-            raise ValueError(f"--draft-tokens {draft_tokens}: {rt.model.path} has no draft head "
+            torch.set_num_threads(o.threads)
+        rt = load_model(self.model_dir, o.lm)
+        if o.draft_tokens and not rt.net.has_draft_head:
+            raise ValueError(f"--draft-tokens {o.draft_tokens}: {rt.model.path} has no draft head "
                              "(MTP weights); serve it with --draft-tokens 0")
         self.tokenizer = rt.tokenizer
         self.vocab = rt.model.net.vocab_size
-        self.tiers = Tiers(budget_bytes, disk_dir, shared, disk_bytes)
+        self.max_seq_len = rt.max_seq_len
+        self._store = TurnStore(o.budget_bytes, o.capsule_dir, self._shared, o.disk_bytes)
         # pinned prefixes hold at most half the budget: the other half stays for turns
-        self.turns = Turns(self.tiers, rt.model.eos_ids, rt.fingerprint, self.reuse, budget_bytes // 2,
-                           draft_tokens)
+        self.turns = Turns(self._store, eos=rt.model.eos_ids, fingerprint=rt.fingerprint, reuse=self.reuse,
+                           pin_bytes=o.budget_bytes // 2, draft_tokens=o.draft_tokens)
         # arenas of their own (captured once, here): n-way requests step them token by token
-        self.slots = [rt] + [rt.fork(share=False) for _ in range(max_sessions - 1)]
-        self.free = list(self.slots)
+        self.models = [rt] + [rt.fork(share=False) for _ in range(o.max_sessions - 1)]
+        self.free = list(self.models)
 
     # ---- called from the event loop ------------------------------------------------------
     def submit(self, job: Job) -> None:
-        if job.n > len(self.slots):
-            raise APIError(400, f"n={job.n} exceeds the server's sessions ({len(self.slots)})", param="n")
+        if job.n > len(self.models):
+            raise APIError(400, f"n={job.n} exceeds the server's sessions ({len(self.models)})", param="n")
         with self._cv:
             if self._stop or self.error:
                 raise APIError(503, f"engine unavailable: {self.error or 'shutting down'}",
                                type="server_error", headers={"Retry-After": "5"})
             # refused only if it must wait (no free session left for it) and the queue is full
             promised = sum(j.n for j in self._waiting)
-            if len(self.free) - promised < job.n and len(self._waiting) >= self.max_queue:
-                raise APIError(429, f"queue full ({self.max_queue} waiting requests): retry later",
+            limit = self.options.queue_limit
+            if len(self.free) - promised < job.n and len(self._waiting) >= limit:
+                raise APIError(429, f"queue full ({limit} waiting requests): retry later",
                                type="rate_limit_error", code="queue_full", headers={"Retry-After": "1"})
             job.delivered = [0] * job.n
             self._waiting.append(job)
@@ -136,33 +165,60 @@ class Engine:
                            code="response_not_found", param="response_id")
         return job
 
-    def cancel(self, rid: str, kind: str = "tokens", values=None) -> dict:
-        """Stop a response and keep only what was delivered. Works after it finished, too."""
+    def cancel(self, rid: str, kind: str = "tokens", values=None) -> Cancellation:
+        """Stop a response and keep only what was delivered (values: see Cut). Works after it
+        finished, too: its conversation is rewritten then (a 409 when it has moved on)."""
         job = self.job(rid)
         with self._cv:
             if job.phase == "queued":
                 self._waiting.remove(job)
-                job.phase = "done"
                 job.kept = [0] * job.n
-                job.finished.set()
-                if job.session is not None:
-                    job.session.end_turn(None)
-                job.post(("done", None))
-                return {"id": rid, "cancelled": True, "kept_tokens": [0] * job.n}
+                if job.conversation is not None:
+                    job.conversation.end_turn(None)
+                job.post(Cancelled())
+                self._settle(job, job.kept)
+                return Cancellation(rid, job.ended)
             if job.kept is not None and values is None:   # cut already; a bare disconnect
-                return {"id": rid, "cancelled": True, "kept_tokens": list(job.kept)}   # adds nothing
-            job.cancel = (kind, values)
+                return Cancellation(rid, _resolved(list(job.kept)))     # adds nothing
+            job.cancel = Cut(kind, None if values is None else tuple(values))
             if job.phase == "running":              # the worker applies it before the job ends
-                return {"id": rid, "cancelled": True, "kept_tokens": None}
-        fut = self.call(lambda rt: self.turns.truncate(job, rt))
-        return {"id": rid, "cancelled": True, "kept_tokens": fut}
+                return Cancellation(rid, job.ended)
+        return Cancellation(rid, self.call(lambda rt: self.turns.truncate(job, rt)))
 
-    def running(self) -> list:
+    def has_turn(self, conversation) -> bool:
+        """Whether a queued or running job is a turn of `conversation`."""
         with self._cv:
-            return list(self._waiting) + list(self._active)
+            return any(j.conversation is conversation for j in (*self._waiting, *self._active))
+
+    def remember(self, tokens) -> concurrent.futures.Future:
+        """Store the capsule of `tokens` for reuse (restored or prefilled on a free session);
+        nothing to do for none. The Future raises ValueError on input the model refuses."""
+        tokens = list(tokens)
+        return self.call(lambda rt: self.turns.remember(rt, tokens) if tokens else None)
+
+    @property
+    def can_save_named(self) -> bool:
+        """Whether save / load_saved work (the server has a capsule directory)."""
+        return self._store.named is not None
+
+    def save(self, tokens, name: str, overwrite: bool = False) -> concurrent.futures.Future:
+        """The state of `tokens` on disk under `name`; the Future gives its position, or raises
+        FileExistsError when the name is taken (and not overwrite)."""
+        tokens = list(tokens)
+
+        def fn(rt):
+            self.turns.set_context(rt, tokens)
+            return self._store.save_named(rt, name, overwrite)
+        return self.call(fn)
+
+    def load_saved(self, name: str) -> concurrent.futures.Future:
+        """The tokens saved under `name` (its capsule goes into memory for reuse); the Future
+        raises KeyError for an unknown name."""
+        return self.call(lambda rt: self._store.load_named(name))
 
     def call(self, fn) -> concurrent.futures.Future:
-        """Run fn(session) on the worker when a session is free; returns a Future."""
+        """Run fn(session) on the worker when a session is free; returns a Future. For the
+        engine's own methods and tests: a route never gets a session."""
         fut = concurrent.futures.Future()
         with self._cv:
             if self._stop or self.error:
@@ -179,12 +235,12 @@ class Engine:
             self._closed = self._stop = True
             self._cv.notify()
         self._thread.join(timeout=30)
-        self.tiers.close()
+        self._store.close()
 
     # ---- worker --------------------------------------------------------------------------
-    def _run(self, *setup) -> None:
+    def _run(self) -> None:
         try:
-            self._setup(*setup)
+            self._setup()
         except BaseException as e:                      # noqa: BLE001 (re-raised by __init__)
             self._load_error = e
             return
@@ -233,20 +289,21 @@ class Engine:
             self._active.clear()
             self._calls.clear()
         for job in jobs:
-            job.phase = "done"
-            job.post(("error", err))
-            if job.session is not None:
-                job.session.end_turn(None)
-            job.finished.set()
+            job.post(Failed(err))
+            if job.conversation is not None:
+                job.conversation.end_turn(None)
+            self._settle(job, [0] * job.n)
         for _, fut in calls:
             if not fut.done():          # one taken this round may have run before the death
                 fut.set_exception(err)
 
     def _run_call(self, fn, fut, rt) -> None:
         try:
-            fut.set_result(fn(rt))
-        except BaseException as e:                      # noqa: BLE001 (handed to the caller)
-            fut.set_exception(e)
+            if fut.set_running_or_notify_cancel():      # False: its caller stopped waiting
+                try:
+                    fut.set_result(fn(rt))
+                except BaseException as e:              # noqa: BLE001 (handed to the caller)
+                    fut.set_exception(e)
         finally:
             with self._cv:
                 self.free.append(rt)
@@ -276,10 +333,10 @@ class Engine:
             fn(job)
         except Exception as e:                          # noqa: BLE001 (one request fails, not all)
             status = 400 if isinstance(e, ValueError) else 500
-            job.post(("error", APIError(status, f"{type(e).__name__}: {e}",
-                                        type="invalid_request_error" if status == 400 else "server_error")))
-            if job.session is not None:
-                job.session.end_turn(None)
+            job.post(Failed(APIError(status, f"{type(e).__name__}: {e}",
+                                     type="invalid_request_error" if status == 400 else "server_error")))
+            if job.conversation is not None:
+                job.conversation.end_turn(None)
             self._release(job, remember=False)
 
     def _step(self, job: Job) -> None:
@@ -292,7 +349,7 @@ class Engine:
             cancel = job.cancel
         completion = self.turns.end(job, cancel)
         self._release(job, remember=True)
-        job.post(("done", (len(job.prompt), completion, job.cached)))
+        job.post(Done(len(job.prompt), completion, job.cached))
 
     def _release(self, job: Job, remember: bool) -> None:
         with self._cv:
@@ -303,14 +360,36 @@ class Engine:
             if c.rt is None:
                 continue
             if remember and self.reuse:
-                self.tiers.remember_turn(c.rt)
+                self._store.remember_turn(c.rt)
             with self._cv:
                 self.free.append(c.rt)
             c.rt = None
-        job.finished.set()
+        if job.kept is not None:
+            kept = list(job.kept)
+        else:                        # ended whole, or failed: then nothing of it stays
+            kept = [len(c.ids) for c in job.choices] if remember else [0] * job.n
+        self._settle(job, kept)
         with self._cv:
             while len(self._jobs) > _RECENT and next(iter(self._jobs.values())).phase == "done":
                 self._jobs.popitem(last=False)
+
+    @staticmethod
+    def _settle(job: Job, kept: list) -> None:
+        job.phase = "done"
+        if not job.ended.done():
+            job.ended.set_result(kept)
+
+
+def _resolved(value) -> concurrent.futures.Future:
+    fut = concurrent.futures.Future()
+    fut.set_result(value)
+    return fut
+
+
+async def wait(fut: concurrent.futures.Future):
+    """An engine Future's result, awaited on the event loop. Shielded: a route that stops
+    waiting must not cancel a Future the worker (or another route) still resolves."""
+    return await asyncio.shield(asyncio.wrap_future(fut))
 
 
 def new_seed() -> int:

@@ -2,43 +2,31 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 
-def build(model_dir, device="cpu", dtype=None, max_seq_len=4096, capsule_budget_mb=1024,
-          capsule_dir=None, api_key=None, max_sessions=4, max_queue=None, seed=0, threads=None,
-          capsule_redis=None, capsule_disk_mb=8192, session_idle_s=3600.0, draft_tokens=0):
-    """(asgi app, engine): load the model with max_sessions sessions, wire the routes, and
-    guard every path (API key when given, body size limit)."""
-    from flashrt.lm import load as load_lm
+def build(model_dir, options=None, **settings):
+    """(asgi app, engine) for model_dir: load the model (options.max_sessions sessions), wire
+    the routes, and guard every path (API key when set, body size limit).
 
+    options: a ServeOptions (default: the defaults); settings: keywords of
+    ServeOptions.from_settings (device, max_seq_len, max_sessions, draft_tokens, ...) over it."""
     from .app import MAX_BODY, Guard, create_app
     from .engine import Engine
+    from .options import ServeOptions
     from .text import ChatTemplate
-    if max_sessions < 1:
-        raise ValueError(f"--max-sessions must be >= 1, got {max_sessions}")
-    if max_queue is not None and max_queue < 0:
-        raise ValueError(f"--max-queue must be >= 0, got {max_queue}")
-    if draft_tokens < 0:
-        raise ValueError(f"--draft-tokens must be >= 0, got {draft_tokens}")
-    if capsule_disk_mb <= 0 or session_idle_s <= 0:
-        raise ValueError(f"--capsule-disk-mb and --session-idle-s must be > 0, got "
-                         f"{capsule_disk_mb} and {session_idle_s}")
-    def load():
-        return load_lm(model_dir, device=device, dtype=dtype, max_seq_len=max_seq_len,
-                       sessions=max_sessions, seed=seed)
-    shared = None
-    if capsule_redis:                   # a fleet-shared tier below this server's own
-        from flashrt.capsules.redis_tier import RedisTier
-        shared = RedisTier.from_url(capsule_redis)
-    engine = Engine(load, int(capsule_budget_mb * (1 << 20)), capsule_dir, max_sessions, max_queue, threads,
-                    shared, int(capsule_disk_mb * (1 << 20)), draft_tokens)
-    name = Path(model_dir).resolve().name
-    app = create_app(engine, ChatTemplate(model_dir), name, api_key, session_idle_s=session_idle_s)
-    return Guard(app, api_key, MAX_BODY), engine
+    if settings or options is None:
+        options = ServeOptions.from_settings(options, **settings)
+    template = ChatTemplate(model_dir)
+    engine = Engine(options, model_dir=model_dir)
+    app = create_app(engine, template, Path(model_dir).resolve().name, options)
+    return Guard(app, options.api_key, MAX_BODY), engine
 
 
 def parser(p=None) -> argparse.ArgumentParser:
+    """The `flashrt serve` command line: MODEL_DIR and a flag per setting (read once, by
+    ServeOptions.from_args)."""
     p = p or argparse.ArgumentParser(prog="flashrt serve")
     p.add_argument("model", metavar="MODEL_DIR", help="Hugging Face-format checkpoint directory")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
@@ -69,22 +57,25 @@ def parser(p=None) -> argparse.ArgumentParser:
 
 
 def main(args) -> int:
+    """`flashrt serve`: args is parser()'s namespace, read once into a ServeOptions."""
     import uvicorn
-    app, engine = build(args.model, args.device, args.dtype, args.max_seq_len, args.capsule_budget_mb,
-                        args.capsule_dir, args.api_key, args.max_sessions, args.max_queue,
-                        threads=args.threads, capsule_redis=args.capsule_redis,
-                        capsule_disk_mb=args.capsule_disk_mb, session_idle_s=args.session_idle_s,
-                        draft_tokens=args.draft_tokens)
-    if args.host not in ("127.0.0.1", "localhost", "::1"):
-        print(f"flashrt serve: listening on {args.host}, not loopback only"
-              + ("" if args.api_key else " and WITHOUT an API key"))
+
+    from .options import ServeOptions
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+        options = ServeOptions.from_args(args)
+    except ValueError as e:
+        print(f"flashrt serve: {e}", file=sys.stderr)
+        return 2
+    app, engine = build(args.model, options)
+    if options.host not in ("127.0.0.1", "localhost", "::1"):
+        print(f"flashrt serve: listening on {options.host}, not loopback only"
+              + ("" if options.api_key else " and WITHOUT an API key"))
+    try:
+        uvicorn.run(app, host=options.host, port=options.port, log_level="warning")
     finally:
         engine.close()     # done by the app's shutdown already, unless uvicorn failed to start
     return 0
 
 
 if __name__ == "__main__":
-    import sys
     sys.exit(main(parser().parse_args()))

@@ -11,16 +11,18 @@ from collections import OrderedDict
 
 import torch
 
-from .protocol import APIError
+from .events import Delta, Finished
+from .wire import APIError
 
 
 class Turns:
-    def __init__(self, tiers, eos, fingerprint, reuse: bool, pin_bytes: int = 0, draft_tokens: int = 0):
-        """pin_bytes: what pinned prefixes may hold together; past it the least recently used
-        pin is released (it stays stored, evictable), so pins cannot shut reuse off for all.
+    def __init__(self, store, *, eos, fingerprint, reuse: bool, pin_bytes: int = 0, draft_tokens: int = 0):
+        """store: the server's TurnStore. pin_bytes: what pinned prefixes may hold together;
+        past it the least recently used pin is released (it stays stored, evictable), so pins
+        cannot shut reuse off for all.
         draft_tokens > 0: decode speculatively with the model's draft head (MTP), that many
         drafts a round; every prefill then also writes the head's rows, so capsules carry them."""
-        self.tiers, self.eos, self.fingerprint, self.reuse = tiers, set(eos), fingerprint, reuse
+        self.store, self.eos, self.fingerprint, self.reuse = store, set(eos), fingerprint, reuse
         self.pin_bytes, self.draft_tokens = pin_bytes, draft_tokens
         self._pins: OrderedDict = OrderedDict()     # prefix tokens -> (store key, bytes), LRU
 
@@ -52,8 +54,17 @@ class Turns:
         advance = rt.speculation().prefill if self.draft_tokens else None
         return rt.set_context(toks, store=mem, remember=remember, advance=advance)
 
+    def set_context(self, rt, toks) -> None:
+        """rt holds toks (restored, rolled back or prefilled from the memory store's capsules)."""
+        self._set_context(rt, list(toks), self.store.mem)
+
+    def remember(self, rt, toks) -> None:
+        """rt holds toks, and their capsule is stored as a turn end (memory, disk copy)."""
+        self.set_context(rt, toks)
+        self.store.remember_turn(rt)
+
     def prefill(self, job) -> None:
-        rt, mem = job.choices[0].rt, self.tiers.mem
+        rt, mem = job.choices[0].rt, self.store.mem
         computed = 0
         if not self.reuse:
             rt.reset()
@@ -129,7 +140,7 @@ class Turns:
         return c.decoder.next(job.max_tokens - len(c.ids), set() if job.ignore_eos else self.eos)
 
     def _post_delta(self, job, c, text, new_ids) -> None:
-        job.post(("delta", c.index, text, c.stream.covered() - 1, new_ids))
+        job.post(Delta(c.index, text, c.stream.covered() - 1, tuple(new_ids)))
 
     def _end(self, job, c, reason, flush=True) -> None:
         if flush:
@@ -137,7 +148,7 @@ class Turns:
             if text:
                 self._post_delta(job, c, text, [])
         c.finish = reason
-        job.post(("finish", c.index, reason, len(c.ids) - 1, list(c.ids)))
+        job.post(Finished(c.index, reason, len(c.ids) - 1, tuple(c.ids)))
 
     def end(self, job, cancel) -> int:
         """The turn's final history in its sessions; returns the completion token count."""
@@ -155,16 +166,16 @@ class Turns:
                 c.rt.rollback(kept)
             c.pending = False
         job.outcome = list(job.choices[0].rt.tokens)
-        if job.session is not None:
-            job.session.end_turn(job.outcome)
+        if job.conversation is not None:
+            job.conversation.end_turn(job.outcome)
         return sum(len(c.ids) for c in job.choices)
 
     def _keep(self, job, c) -> int:
-        kind, vals = job.cancel
-        if vals is None:
+        cut = job.cancel
+        if cut.values is None:
             return min(job.delivered[c.index], len(c.ids))
-        v = vals[c.index]
-        return min(v, len(c.ids)) if kind == "tokens" else c.stream.covered(v)
+        v = cut.values[c.index]
+        return min(v, len(c.ids)) if cut.kind == "tokens" else c.stream.covered(v)
 
     def _rollback_delivered(self, job) -> None:
         """The sessions hold prompt + delivered tokens: the rest is rolled back."""
@@ -177,7 +188,7 @@ class Turns:
                 c.rt.rollback(len(job.prompt) + k)      # recurrent state included
             job.kept.append(k)
             if c.finish == "cancelled":
-                job.post(("finish", c.index, "cancelled", k - 1, list(c.ids)))
+                job.post(Finished(c.index, "cancelled", k - 1, tuple(c.ids)))
 
     def truncate(self, job, rt) -> list:
         """A cancel that came after the response finished (or after an earlier cut: what was
@@ -189,16 +200,15 @@ class Turns:
             kept = [min(a, b) for a, b in zip(kept, job.kept)]
             if kept == job.kept:
                 return list(kept)
-        if job.session is not None:
+        if job.conversation is not None:
             toks = job.prompt + job.choices[0].ids[: kept[0]]
-            if not job.session.replace_if(job.outcome, toks):
-                raise APIError(409, f"session {job.session.id} has moved on since response "
+            if not job.conversation.replace_if(job.outcome, toks):
+                raise APIError(409, f"session {job.conversation.id} has moved on since response "
                                f"{job.id} (a later turn, restore or rollback): not rewritten",
                                code="session_moved_on")
             job.outcome = toks
         for c, k in zip(job.choices, kept):
             if self.reuse:
-                self._set_context(rt, job.prompt + c.ids[:k], self.tiers.mem)
-                self.tiers.remember_turn(rt)
+                self.remember(rt, job.prompt + c.ids[:k])
         job.kept = kept
         return kept

@@ -8,21 +8,23 @@ from __future__ import annotations
 import json
 import secrets
 import time
+from types import MappingProxyType
 from typing import Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 # fields the OpenAI API defines that this server does not implement: refused by name unless
 # they carry their no-op default (clients often send e.g. presence_penalty=0)
-UNSUPPORTED = {"logprobs": (None, False), "top_logprobs": (None, 0), "tools": (None, []),
-               "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
-               "response_format": (None, {"type": "text"}), "logit_bias": (None, {}),
-               "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
-               "best_of": (None, 1), "echo": (None, False), "suffix": (None, ""),
-               "parallel_tool_calls": (None,), "audio": (None,), "modalities": (None, ["text"]),
-               "prediction": (None,), "reasoning_effort": (None,), "web_search_options": (None,)}
+UNSUPPORTED = MappingProxyType({
+    "logprobs": (None, False), "top_logprobs": (None, 0), "tools": (None, []),
+    "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
+    "response_format": (None, {"type": "text"}), "logit_bias": (None, {}),
+    "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
+    "best_of": (None, 1), "echo": (None, False), "suffix": (None, ""),
+    "parallel_tool_calls": (None,), "audio": (None,), "modalities": (None, ["text"]),
+    "prediction": (None,), "reasoning_effort": (None,), "web_search_options": (None,)})
 # accepted and ignored: bookkeeping fields with no effect on generation
-IGNORED = {"user", "metadata", "store", "service_tier"}
+IGNORED = frozenset({"user", "metadata", "store", "service_tier"})
 MAX_STOP = 4
 
 

@@ -1,12 +1,12 @@
 """/v1/sessions: named conversations the client steers (a documented flashrt extension).
 
 A session is its exact token history. Its model state lives in capsules: every turn end is
-stored (see tiers.py), so the next turn, a restore or a fork starts from the capsule of that
+stored (see turn_store.py), so the next turn, a restore or a fork starts from the capsule of that
 history (set_context: restore the longest stored prefix, roll back past a divergence, prefill
 the rest), and a rollback to a position is exact, recurrent state included. Ids are
 unguessable (secrets.token_urlsafe) and a session is reachable only through its id (and the
 API key when one is set). One turn at a time per session: a second is a 409. Idle sessions
-expire (SessionTable).
+expire (ConversationTable). In the code a session is a Conversation: its token list.
 """
 from __future__ import annotations
 
@@ -15,13 +15,13 @@ import threading
 import time
 from collections import OrderedDict
 
-from .protocol import APIError
+from .wire import APIError
 
-MAX_SESSIONS = 4096
+MAX_CONVERSATIONS = 4096
 MAX_SNAPSHOTS = 64         # per session
 
 
-class Session:
+class Conversation:
     def __init__(self, tokens: list):
         self.id = "sess-" + secrets.token_urlsafe(18)
         self.tokens = list(tokens)
@@ -87,12 +87,12 @@ class Session:
                     "tokens": list(self.tokens), "snapshots": list(self.snapshots), "busy": self.busy}
 
 
-class SessionTable:
-    """Sessions by id, least recently used first. One idle for idle_s seconds expires; when
+class ConversationTable:
+    """Conversations by id, least recently used first. One idle for idle_s seconds expires; when
     the table is full, a new one takes the place of the least recently used idle one."""
 
-    def __init__(self, limit: int = MAX_SESSIONS, idle_s: float = 3600.0, clock=time.monotonic):
-        self._s: OrderedDict[str, Session] = OrderedDict()
+    def __init__(self, limit: int = MAX_CONVERSATIONS, idle_s: float = 3600.0, clock=time.monotonic):
+        self._s: OrderedDict[str, Conversation] = OrderedDict()
         self._used: dict[str, float] = {}
         self._limit, self.idle_s, self._clock = limit, idle_s, clock
         self._lock = threading.Lock()
@@ -113,14 +113,14 @@ class SessionTable:
     def _drop(self, sid: str) -> None:
         del self._s[sid], self._used[sid]
 
-    def create(self, tokens=()) -> Session:
+    def create(self, tokens=()) -> Conversation:
         with self._lock:
             self._make_room()
-            s = Session(tokens)
+            s = Conversation(tokens)
             self._s[s.id], self._used[s.id] = s, self._clock()
             return s
 
-    def get(self, sid: str) -> Session:
+    def get(self, sid: str) -> Conversation:
         with self._lock:
             s = self._s.get(sid)
             if s is not None and self._clock() - self._used[sid] >= self.idle_s and not s.busy:

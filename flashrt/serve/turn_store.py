@@ -1,4 +1,4 @@
-"""The server's capsules: a memory CapsuleStore (the reuse cache) plus an optional disk copy.
+"""TurnStore, the server's capsules: a memory CapsuleStore (the reuse cache) + a disk copy.
 
 Every prompt end and turn end lands in the memory store (shared-prefix deltas, so a turn
 costs its own rows). With a capsule directory, each turn end is also written as a full
@@ -21,7 +21,7 @@ from flashrt.errors import CapsuleError
 MAX_PENDING = 64          # turn capsules waiting for the disk writer (each a full snapshot)
 
 
-class Tiers:
+class TurnStore:
     def __init__(self, budget_bytes: int, disk_dir=None, shared=None, disk_bytes: int | None = None):
         # shared: a fleet tier (capsules.redis_tier) the memory store publishes to and asks
         self.mem = CapsuleStore(device_bytes=budget_bytes, host_bytes=0, shared=shared)

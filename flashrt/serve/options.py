@@ -1,0 +1,98 @@
+"""Every setting of `flashrt serve` in one object: ServeOptions, made once (from the command
+line by from_args, or from a caller's keywords by from_settings) and handed to build(), the
+Engine and the app as it is.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields, replace
+
+from flashrt.lm import Options
+
+MB = 1 << 20
+
+
+def _default_lm() -> Options:
+    return Options(sessions=4)
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    """lm: the model's settings (flashrt.lm.Options); its `sessions` is the server's
+    max_sessions, one model session per concurrent request. The other fields are the server's
+    own, one per `flashrt serve` flag. Checked when made: an error names the flag."""
+    lm: Options = field(default_factory=_default_lm)
+    host: str = "127.0.0.1"
+    port: int = 8000
+    # secrets (the key; a Redis URL may carry AUTH) stay out of repr, so out of logs
+    api_key: str | None = field(default=None, repr=False)   # 'Authorization: Bearer KEY' when set
+    capsule_budget_mb: float = 1024       # memory for stored capsules; 0: no reuse (a baseline)
+    capsule_dir: str | None = None        # each turn's capsule on disk too, reused after a restart
+    capsule_disk_mb: float = 8192         # disk for capsule_dir, LRU beyond it
+    capsule_redis: str | None = field(default=None, repr=False)   # a fleet-shared capsule tier
+    max_queue: int | None = None          # waiting requests before a 429; None: 4 per session
+    session_idle_s: float = 3600.0        # /v1/sessions idle this long expire
+    threads: int | None = None            # torch CPU threads of the engine; None: torch's
+    draft_tokens: int = 0                 # MTP drafts a speculative round; 0: off
+
+    def __post_init__(self):
+        if not isinstance(self.lm, Options):
+            raise TypeError(f"ServeOptions.lm must be a flashrt.lm.Options, got {type(self.lm).__name__}")
+        _require(self.max_queue is None or self.max_queue >= 0, f"--max-queue must be >= 0, got {self.max_queue}")
+        _require(self.draft_tokens >= 0, f"--draft-tokens must be >= 0, got {self.draft_tokens}")
+        _require(self.capsule_budget_mb >= 0, f"--capsule-budget-mb must be >= 0, got {self.capsule_budget_mb}")
+        _require(self.capsule_disk_mb > 0, f"--capsule-disk-mb must be > 0, got {self.capsule_disk_mb}")
+        _require(self.session_idle_s > 0, f"--session-idle-s must be > 0, got {self.session_idle_s}")
+
+    @property
+    def max_sessions(self) -> int:
+        return self.lm.sessions
+
+    @property
+    def queue_limit(self) -> int:
+        return self.max_queue if self.max_queue is not None else 4 * self.max_sessions
+
+    @property
+    def budget_bytes(self) -> int:
+        return int(self.capsule_budget_mb * MB)
+
+    @property
+    def disk_bytes(self) -> int:
+        return int(self.capsule_disk_mb * MB)
+
+    @classmethod
+    def from_settings(cls, base: ServeOptions | None = None, /, **settings) -> ServeOptions:
+        """`base` (default: the defaults) with settings over it: any field of ServeOptions, any
+        field of flashrt.lm.Options but sessions, and max_sessions (which sets lm.sessions)."""
+        base = base if base is not None else cls()
+        unknown = sorted(set(settings) - _SERVE - _LM - {"max_sessions"})
+        if unknown:
+            raise TypeError(f"unknown serve setting(s): {', '.join(unknown)}")
+        lm = {k: v for k, v in settings.items() if k in _LM}
+        if "max_sessions" in settings:
+            n = settings["max_sessions"]
+            # checked here: lm.Options would name its own field (sessions), not the flag
+            _require(isinstance(n, int) and not isinstance(n, bool) and n >= 1,
+                     f"--max-sessions must be >= 1, got {n!r}")
+            lm["sessions"] = n
+        own = {k: v for k, v in settings.items() if k in _SERVE}
+        model = own.pop("lm", base.lm)
+        return replace(base, lm=replace(model, **lm) if lm else model, **own)
+
+    @classmethod
+    def from_args(cls, ns) -> ServeOptions:
+        """The options of a parsed `flashrt serve` command line (flashrt.serve.server.parser)."""
+        return cls.from_settings(
+            device=ns.device, dtype=ns.dtype, max_seq_len=ns.max_seq_len, max_sessions=ns.max_sessions,
+            host=ns.host, port=ns.port, api_key=ns.api_key, capsule_budget_mb=ns.capsule_budget_mb,
+            capsule_dir=ns.capsule_dir, capsule_disk_mb=ns.capsule_disk_mb,
+            capsule_redis=ns.capsule_redis, max_queue=ns.max_queue,
+            session_idle_s=ns.session_idle_s, threads=ns.threads, draft_tokens=ns.draft_tokens)
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+_SERVE = frozenset(f.name for f in fields(ServeOptions))
+_LM = frozenset(f.name for f in fields(Options)) - {"sessions"}
