@@ -103,6 +103,22 @@ def test_imports_follow_the_folder_rules():
     assert not bad, "\n".join(bad)
 
 
+def test_model_files_import_only_the_base():
+    """A model file (one per model_type in the registry, and the speech models loaded from
+    their packages) takes everything from flashrt.models.base: a new model touches nothing else."""
+    from flashrt.models.registry import MODEL_TYPES
+    files = set(MODEL_TYPES.values()) | {"silero_vad"}
+    inner = {"loader", "registry", "checkpoint", "causal_lm", "protocol"}
+    bad = []
+    for name in sorted(files):
+        mod = f"flashrt.models.{name}"
+        for target, line, _ in _imports(MODS[mod], mod):
+            t = target.split(".")
+            if target != "flashrt.models.base" and (t[1] != "models" or len(t) < 3 or t[2] in inner):
+                bad.append(f"{_rel(MODS[mod])}:{line} imports {target}")
+    assert not bad, bad
+
+
 def test_no_import_of_the_face():
     """Inside the package nothing imports `flashrt` itself (the face imports half the package
     lazily); `from flashrt import sub` naming a subpackage is a plain submodule import."""
