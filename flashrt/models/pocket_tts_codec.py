@@ -88,6 +88,35 @@ class CodecConfig:
         return c
 
 
+@dataclass(frozen=True)
+class VoiceRules:
+    """How a voice prompt is cut before encoding: transformers' PocketTTSFeatureExtractor (same
+    knobs and defaults). end_on_pause: cut the trailing silence (analysis frames more than
+    silence_floor_db under the loudest), fade the last fade_out_duration s out, append
+    pause_duration s of zeros; prompts that stop on speech make the model continue them."""
+    end_on_pause: bool = True
+    pause_duration: float = 0.08
+    fade_out_duration: float = 0.02
+    silence_floor_db: float = 35.0
+    analysis_frame_duration: float = 0.02
+
+    def prepare(self, pcm: torch.Tensor, sample_rate: int) -> torch.Tensor:
+        """(N,) float32 -> (M,) float32, op for op the feature extractor's _end_on_pause."""
+        if not self.end_on_pause:
+            return pcm
+        n = max(1, int(self.analysis_frame_duration * sample_rate))
+        frames = pcm.shape[-1] // n
+        if frames == 0:
+            return pcm
+        rms = pcm[: frames * n].reshape(frames, n).square().mean(-1).sqrt()       # (frames,)
+        db = 20 * torch.log10(rms + 1e-12)
+        end = (int(torch.nonzero(db > db.max() - self.silence_floor_db).flatten()[-1]) + 1) * n
+        out = pcm[:end].clone()
+        fade = min(int(self.fade_out_duration * sample_rate), end)
+        out[end - fade:] *= torch.linspace(1, 0, fade, dtype=out.dtype, device=out.device)
+        return torch.cat([out, out.new_zeros(int(self.pause_duration * sample_rate))])
+
+
 # ---- layers -------------------------------------------------------------------------------
 class Conv(nn.Module):
     """A causal Conv1d. stream(): the left context is a state buffer; once(): transformers'
@@ -246,6 +275,7 @@ def seanet(c: CodecConfig, decoder: bool) -> nn.ModuleList:
 # ---- model --------------------------------------------------------------------------------
 class Model(CodecModel):
     model_type = "pocket_tts_audio_tokenizer"
+    voice_rules = VoiceRules()      # the feature extractor's defaults (frozen: shared, read-only)
 
     def __init__(self, c: CodecConfig):
         super().__init__()
@@ -301,7 +331,7 @@ class Model(CodecModel):
     @torch.no_grad()
     def encode(self, pcm):
         """(N,) PCM -> (ceil(N / frame_size), latent_dim): zero-padded to whole frames, as
-        transformers' feature extractor pads (it does not end the voice on a pause here)."""
+        transformers' feature extractor pads (the pause is voice_rules.prepare's, before)."""
         c, e = self.config, self.encoder
         x = F.pad(pcm.to(self.latent_proj.weight.dtype), (0, -pcm.shape[0] % self.frame_size))[None]
         for m in e.encoder_seanet.layers:

@@ -11,8 +11,14 @@ so snapshot / restore / fork continue bitwise, mid-utterance included.
 synthesizer.py holds Synthesizer: text ids in, 24 kHz PCM out frame by frame, a
 flashrt.models.protocol.SynthesizerModel and its CodecModel (models/pocket_tts.py and
 pocket_tts_codec.py) on one session; make_voice() prefills a voice prompt once into a capsule.
+
+transcriber.py holds StreamingTranscriber: 16 kHz PCM of any length in, token deltas with their
+audio time out, a flashrt.models.protocol.TranscriberModel (models/nemotron_asr_streaming.py)
+at a lookahead chosen at construction; endpoint() flushes a fork with zero lookahead and returns
+the final tokens at once, the live stream untouched.
 """
 from __future__ import annotations
 
 from .vad import SpeechEnd, SpeechStart, VadResult, VadRules, VoiceActivity, check_vad_model  # noqa: F401
-from .synthesizer import Synthesizer, load_codec, load_synthesizer  # noqa: F401
+from .synthesizer import (IncrementalSpeaker, SentenceRule, Synthesizer, load_codec,  # noqa: F401
+                          load_synthesizer, split_sentences)
