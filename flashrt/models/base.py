@@ -18,3 +18,4 @@ from .causal_lm import CausalLM  # noqa: F401
 from .protocol import (InputSpec, PolicyModel, StatefulModel, VadModel, check, check_rope,  # noqa: F401
                        require)
 from .protocol import CodecModel, SynthesizerModel  # noqa: F401
+from .protocol import TranscriberModel  # noqa: F401

@@ -242,13 +242,17 @@ def make_checkpoint(arch: str, size: str, out_dir, seed: int = 0, dtype: str | N
     """Write a random-weight checkpoint (config.json, model.safetensors or shards
     + index, generation_config.json, flashrt_checkpoint.json) to out_dir.
     arch "smolvla": a LeRobot policy directory instead (models/smolvla_checkpoint.py);
-    "pocket_tts": models/pocket_tts_checkpoint.py (sizes tiny, real)."""
+    "pocket_tts": models/pocket_tts_checkpoint.py (sizes tiny, real); "nemotron_asr_streaming":
+    models/nemotron_checkpoint.py (sizes tiny, real)."""
     if arch == "smolvla":
         from .smolvla_checkpoint import make_smolvla
         return make_smolvla(str(size).lower(), out_dir, seed, dtype or "float32")
     if arch == "pocket_tts":      # the model at the root, its codec in audio_tokenizer/
         from .pocket_tts_checkpoint import make_pocket_tts
         return make_pocket_tts(size, out_dir, seed, dtype or "float32")
+    if arch == "nemotron_asr_streaming":     # streaming ASR: sizes tiny, real
+        from .nemotron_checkpoint import make_nemotron
+        return make_nemotron(str(size).lower(), out_dir, seed, dtype or "float32")
     arch, size = _norm_arch_size(arch, size)
     layout = layout or "multimodal"
     cfg = build_config(arch, size, dtype, layout)
@@ -319,7 +323,8 @@ def default_checkpoint(arch: str = "qwen3_5", size: str = "tiny", cache_dir=None
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="flashrt make-checkpoint",
                                 description="Write a random-weight checkpoint (output is meaningless).")
-    p.add_argument("arch", choices=sorted(ARCHS) + ["smolvla", "pocket_tts"])
+    p.add_argument("arch", choices=sorted(ARCHS) + ["smolvla", "pocket_tts",
+                                                      "nemotron_asr_streaming"])
     p.add_argument("size", help=f"one of {list(SIZES)}, or the real model's name {SIZE_ALIASES}")
     p.add_argument("out_dir")
     p.add_argument("--seed", type=int, default=0)

@@ -9,6 +9,7 @@ Required: `state_specs`, `input_specs`, `forward`, and a module-level `CONFIG` w
 A policy model (flashrt.policy) derives from PolicyModel, which adds attributes and buffers.
 A voice activity model (flashrt.speech) derives from VadModel, which adds attributes.
 A text-to-speech model derives from SynthesizerModel, its audio codec from CodecModel.
+A streaming speech recognizer (flashrt.speech.StreamingTranscriber) derives from TranscriberModel.
 """
 from __future__ import annotations
 
@@ -210,4 +211,39 @@ class CodecModel(StatefulModel):
     latent_dim: int
 
     def encode(self, pcm: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class TranscriberModel(StatefulModel):
+    """Base class of a streaming speech recognizer (a transducer): PCM in, token ids out, run by
+    flashrt.speech.StreamingTranscriber; models/nemotron_asr_streaming.py is one. One session
+    position is one encoder frame (frame_samples of audio). Every piece of its state, the raw
+    samples not yet encoded included, is a fixed-size arena buffer it declares, so a capsule costs
+    the same anywhere in an utterance and continues bitwise.
+
+    accept_audio(pcm (n,) float32, state) copies what fits of pcm into its audio buffer and
+    returns how many samples it took; pending_samples(state) counts those not yet encoded.
+    chunk_frames(position, pending, lookahead, final) is the T of the next step (0: not enough
+    audio); final: flush what is pending, zeros past the end. forward({"lookahead": R}, ctx,
+    state) encodes ctx.T frames from the pending audio (attention chunks of R + 1 frames) and
+    returns {"encoded": (T, J)}; decode(encoded, ctx, state) runs greedy decoding over them and
+    returns {"tokens": [...], "frames": [...] (the position of each), "logits": [...] (with
+    keep_logits=True: one (vocab,) row per joint step)}. Buffer `rnnt.last` (meta) holds the
+    last token emitted, `rnnt.emitted` (meta) how many.
+    """
+    sample_rate: int         # Hz of the mono PCM it takes (the speech layer refuses any other)
+    blank_id: int            # the transducer's blank: never emitted
+    lookaheads: tuple        # supported right contexts in encoder frames; the first is the default
+    frame_samples: int       # PCM samples per encoder frame (one position)
+
+    def accept_audio(self, pcm: torch.Tensor, state) -> int:
+        raise NotImplementedError
+
+    def pending_samples(self, state) -> int:
+        raise NotImplementedError
+
+    def chunk_frames(self, position: int, pending: int, lookahead: int, final: bool = False) -> int:
+        raise NotImplementedError
+
+    def decode(self, encoded: torch.Tensor, ctx: StepCtx, state, keep_logits: bool = False) -> dict:
         raise NotImplementedError

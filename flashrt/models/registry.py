@@ -11,6 +11,7 @@ MODEL_TYPES = {
     "qwen3_5": "qwen3_5", "qwen3_5_text": "qwen3_5",
     "lfm2": "lfm2",
     "tiny_vla": "tiny_vla",
+    "nemotron_asr_streaming": "nemotron_asr_streaming",
     "pocket_tts": "pocket_tts", "pocket_tts_audio_tokenizer": "pocket_tts_codec",
 }
 

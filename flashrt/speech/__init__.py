@@ -22,3 +22,5 @@ from __future__ import annotations
 from .vad import SpeechEnd, SpeechStart, VadResult, VadRules, VoiceActivity, check_vad_model  # noqa: F401
 from .synthesizer import (IncrementalSpeaker, SentenceRule, Synthesizer, load_codec,  # noqa: F401
                           load_synthesizer, split_sentences)
+from .transcriber import (StreamingTranscriber, Transcript, check_transcriber_model,  # noqa: F401
+                          load_transcriber)
