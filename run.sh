@@ -21,7 +21,7 @@ setup() {
     fi
   fi
   "$PY" -m pip install -q "scikit-build-core>=0.10" "pybind11>=2.12" ninja \
-      "safetensors>=0.4" "numpy>=1.24" "transformers>=4.57" pytest matplotlib tqdm "redis>=5"
+      "safetensors>=0.4" "numpy>=1.24" "transformers>=4.57" pytest "hypothesis>=6.100" matplotlib tqdm "redis>=5"
   # Triton: CUDA torch wheels bring their own; elsewhere the pinned release whose CPU interpreter
   # the kernel tests use (a platform without a wheel only skips those tests).
   if ! "$PY" -c "import triton" 2>/dev/null; then
@@ -29,7 +29,7 @@ setup() {
   fi
   # the serve extra (flashrt serve and tests/test_serve.py)
   "$PY" -m pip install -q "fastapi>=0.110" "uvicorn>=0.29" "jinja2>=3.1" "tokenizers>=0.19" \
-      "openai>=1.30" "httpx>=0.27"
+      "openai>=1.30" "httpx>=0.27" "python-multipart>=0.0.9" "websockets>=12"
   # the speech extra (flashrt.speech): Silero VAD's wheel ships its real weights, which the
   # speech tests run (tests/test_speech_vad.py skips without it)
   "$PY" -m pip install -q "silero-vad>=6"

@@ -70,9 +70,11 @@ def wait_until_up(url, proc, timeout: float, what: str, headers=None, port=None,
 
 class Server:
     """`python -m flashrt.cli serve CKPT` in a subprocess; stop() is a graceful Ctrl-C. A port
-    another process took before ours bound it: started again on a new one (3 tries)."""
+    another process took before ours bound it: started again on a new one (3 tries).
+    api_key: the key this object's requests send, passed as --api-key unless key_arg=False
+    (then the caller hands it over otherwise, e.g. env={"FLASHRT_API_KEY": key})."""
 
-    def __init__(self, ckpt, *args, api_key=None, log=None):
+    def __init__(self, ckpt, *args, api_key=None, log=None, env=None, key_arg=True):
         self.key = api_key
         self._own_log = log is None              # then a temporary file, removed by stop()
         if log is None:
@@ -85,11 +87,12 @@ class Server:
             self.url = f"http://127.0.0.1:{self.port}"
             cmd = [sys.executable, "-m", "flashrt.cli", "serve", str(ckpt), "--port", str(self.port),
                    "--dtype", "float32", "--max-seq-len", "512", *args]
-            if api_key:
+            if api_key and key_arg:
                 cmd += ["--api-key", api_key]
             self.log = open(log, "w")
             # run from tests/ (this file's folder) so the installed package is the one imported
-            self.proc = subprocess.Popen(cmd, cwd=Path(__file__).parent, stdout=self.log, stderr=self.log)
+            self.proc = subprocess.Popen(cmd, cwd=Path(__file__).parent, stdout=self.log, stderr=self.log,
+                                         env={**os.environ, **env} if env else None)
             try:
                 up = wait_until_up(self.url, self.proc, 120, f"flashrt serve (see {log})",
                                    self.headers(), port=self.port, log=log)

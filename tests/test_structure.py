@@ -26,12 +26,12 @@ RULES = {
     "lm": {"core", "models", "capsules"},
     "policy": {"core", "models", "capsules"},
     "speech": {"core", "models", "capsules"},
-    "serve": {"lm", "capsules"},
+    "serve": {"lm", "capsules", "speech"},
     "dev": {"*"},
     "cli": {"lm", "serve", "dev", "models", "native"},
 }
 ALWAYS = {"errors", "version"}
-FACES_ONLY = {"serve": {"lm"}}   # serve reaches lm through its face (flashrt.lm), not its modules
+FACES_ONLY = {"serve": {"lm", "speech"}}   # serve reaches lm and speech through their faces, not modules
 
 
 def _sources():

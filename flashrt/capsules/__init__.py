@@ -9,9 +9,11 @@ from flashrt.errors import (CapsuleConsumedError, CapsuleCorruptError, CapsuleEr
                             CapsuleMismatchError)
 
 from .format import load as load_capsule, read_header, save as save_capsule  # noqa: F401
+from .named import NamedCapsules, NamedLimitError  # noqa: F401
 from .store import CapsuleStore  # noqa: F401
 from .types import Capsule, CapsuleMeta, Entry  # noqa: F401
 
-__all__ = ["Capsule", "CapsuleMeta", "Entry", "CapsuleStore", "save_capsule", "load_capsule",
+__all__ = ["Capsule", "CapsuleMeta", "Entry", "CapsuleStore", "NamedCapsules", "NamedLimitError",
+           "save_capsule", "load_capsule",
            "read_header", "CapsuleError", "CapsuleMismatchError", "CapsuleCorruptError",
            "CapsuleConsumedError"]

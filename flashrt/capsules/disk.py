@@ -3,6 +3,10 @@
 Files are written by format.save (temp file, fsync, rename, fsync of the folder), so a reader
 sees the old file, the new one, or none. A single-use claim is a rename to a unique name:
 atomic on one filesystem, so exactly one caller wins across threads and processes.
+
+A capsule holds a conversation: the folder is made 0700 and files 0600 (format.save), and a
+symbolic link in it is never followed (skipped by scan, refused by load), so nobody who can
+write the folder's parent or plant a link makes the store read another file.
 """
 from __future__ import annotations
 
@@ -46,10 +50,24 @@ def parent_id(meta, entries) -> str | None:
     return (meta.parent or {}).get("id") if any(e.row0 for e in entries) else None
 
 
+def make_private_dir(path) -> str:
+    """`path` as an absolute folder, made (with missing parents) mode 0700 when absent."""
+    path = os.path.abspath(os.fspath(path))
+    if not os.path.isdir(path):
+        os.makedirs(path, mode=0o700, exist_ok=True)
+    return path
+
+
+def is_link(path) -> bool:
+    try:
+        return os.path.islink(path)
+    except OSError:
+        return False
+
+
 class DiskDir:
     def __init__(self, path):
-        self.dir = os.path.abspath(os.fspath(path))
-        os.makedirs(self.dir, exist_ok=True)
+        self.dir = make_private_dir(path)
 
     def path(self, key: str) -> str:
         return os.path.join(self.dir, key + SUFFIX)
@@ -58,8 +76,14 @@ class DiskDir:
         fmt.save(cap, self.path(key))
 
     def load(self, key: str, device) -> Capsule:
-        """Checksummed load; FileNotFoundError if claimed or removed by another process."""
-        return fmt.load(self.path(key), device)
+        """Checksummed load; FileNotFoundError if claimed or removed by another process (or
+        the name is a symbolic link: never followed)."""
+        try:
+            return fmt.load(self.path(key), device, follow_symlinks=False)
+        except OSError as e:
+            if isinstance(e, FileNotFoundError) or not is_link(self.path(key)):
+                raise
+            raise FileNotFoundError(f"{self.path(key)} is a symbolic link: not followed") from None
 
     def remove(self, key: str) -> None:
         unlink(self.path(key))
@@ -86,7 +110,7 @@ class DiskDir:
                 if not pid_alive(int(m.group(1))):
                     unlink(path)          # a writer or claimer that died mid-way
                 continue
-            if not name.endswith(SUFFIX) or not KEY.match(name[: -len(SUFFIX)]):
+            if not name.endswith(SUFFIX) or not KEY.match(name[: -len(SUFFIX)]) or is_link(path):
                 continue
             try:
                 if verify:

@@ -228,7 +228,8 @@ def save(cap: Capsule, path) -> None:
     try:
         # O_EXCL: a fresh file; bytes go from the tensor to the kernel with no Python-side copy.
         # fsync before the rename so the rename never exposes a partial file.
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o666)
+        # 0600: a capsule holds a conversation; only its owner reads it
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o600)
         try:
             _write_all(fd, views)
             os.fsync(fd)
@@ -360,8 +361,11 @@ def _parse(path, head: bytes, data_bytes: int, known: _Table | None = None):
     return table, _meta(md), md["tokens"], md["checksum"]
 
 
-def load(path, device="cpu", into: Capsule | None = None) -> Capsule:
+def load(path, device="cpu", into: Capsule | None = None, follow_symlinks: bool = True) -> Capsule:
     """Read a capsule file; any damage raises CapsuleCorruptError naming the file and the problem.
+
+    follow_symlinks=False: a symbolic link at `path` is refused (OSError, ELOOP): a store's
+    directory holds only the files it wrote.
 
     into: a CPU capsule whose buffer is reused (no fresh allocation, like snapshot(into=)); it is
     returned holding the file's capsule. A file refused once its bytes started landing leaves it
@@ -369,7 +373,8 @@ def load(path, device="cpu", into: Capsule | None = None) -> Capsule:
     one refused earlier (header) leaves it untouched."""
     if into is not None and not into.data.is_cpu:
         raise ValueError(f"load(into=): the target capsule must be in host memory, not {into.device}")
-    fd = os.open(path, _O_READ)   # missing: FileNotFoundError
+    flags = _O_READ if follow_symlinks else _O_READ | getattr(os, "O_NOFOLLOW", 0)
+    fd = os.open(path, flags)   # missing: FileNotFoundError
     try:
         cap = _load(fd, path, into)
     except (struct.error, ValueError, KeyError, TypeError, IndexError, RecursionError) as e:

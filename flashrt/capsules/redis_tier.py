@@ -8,7 +8,10 @@ continue a conversation whose last turn ran on another one.
 Keys (see capsules/redis_keys.py for the full table) all start with "<ns>:{<fp>}:", where fp is a
 digest of the model fingerprint (model_type, config, weights, dtype, layout): a server with other
 weights, dtype or layout computes another fp and never sees these keys. The braces are a Redis
-Cluster hash tag, so one model's keys share a slot and every Lua script runs on one node.
+Cluster hash tag, so one model's keys share a slot and every Lua script runs on one node. A
+store namespace (CapsuleStore.put/match(namespace=), a server's tenant) adds itself after the
+tag: "<ns>:{<fp>}:<namespace>:", so tenants never see each other's capsules, each with its own
+index, LRU and budget.
 
 Longest-prefix lookup: per-boundary digest keys. A capsule holding tokens[:n] is indexed under
 i:<blake2b(tokens[:n] as int64)>. The sorted set `lens` holds the lengths that have an entry, so a
@@ -119,12 +122,13 @@ class RedisTier:
         out["queued"] = self._jobs.pending
         return out
 
-    def publish(self, cap: Capsule, store=None, pin: bool = False) -> bool:
+    def publish(self, cap: Capsule, store=None, pin: bool = False, namespace: str = "") -> bool:
         """Queue `cap` (and, for a delta, whatever of its parent chain Redis lacks) for
-        publishing; returns at once. False: not queued (full, closed, or a single-use capsule)."""
+        publishing in `namespace`; returns at once. False: not queued (full, closed, or a
+        single-use capsule)."""
         if cap.meta.single_use or getattr(self._local, "fetching", False) or self._closed:
             return False
-        if not self._jobs.submit((cap, store, pin)):
+        if not self._jobs.submit((cap, store, pin, _check_ns(namespace))):
             self._count("dropped")
             log.warning("redis tier: publish queue full; capsule %s not published", cap.id)
             return False
@@ -139,21 +143,23 @@ class RedisTier:
         self._jobs.close()
         self.client.close()
 
-    def lookup(self, tokens, fingerprint: dict, longer_than: int = 0, have=None):
-        """(capsule, n): the longest capsule in Redis holding tokens[:n] with n > longer_than,
-        parent chain attached, or (None, 0). have(id) -> Capsule|None supplies ancestors that
-        are held locally (not fetched again). Never raises on Redis faults: they are misses."""
+    def lookup(self, tokens, fingerprint: dict, longer_than: int = 0, have=None, namespace: str = ""):
+        """(capsule, n): the longest capsule in Redis (in `namespace`) holding tokens[:n] with
+        n > longer_than, parent chain attached, or (None, 0). have(id) -> Capsule|None supplies
+        ancestors that are held locally (not fetched again). Never raises on Redis faults: they
+        are misses."""
         tokens = [int(t) for t in tokens]
-        P = self._prefix(fingerprint)
+        P = self._prefix(fingerprint, namespace)
         got = self._guard(self._lookup, None, P, tokens, fingerprint, longer_than, have)
         self._count("hits" if got else "misses")
         return got if got else (None, 0)
 
-    def extend_match(self, store, tokens, fingerprint, cap, n):
-        """CapsuleStore.match's hook: a longer prefix from Redis, put into `store`'s local tiers."""
+    def extend_match(self, store, tokens, fingerprint, cap, n, namespace: str = ""):
+        """CapsuleStore.match's hook: a longer prefix from Redis, put into `store`'s local tiers
+        (store: the store's view of `namespace`)."""
         if fingerprint is None:
             return cap, n
-        got, m = self.lookup(tokens, fingerprint, n, lambda cid: _held(store, cid))
+        got, m = self.lookup(tokens, fingerprint, n, lambda cid: _held(store, cid), namespace)
         if got is None:
             return cap, n
         self._local.fetching = True
@@ -167,8 +173,9 @@ class RedisTier:
             self._local.fetching = False
 
     # ---- internals: calls -----------------------------------------------------------------
-    def _prefix(self, fp: dict) -> str:
-        return f"{self.namespace}:{{{fingerprint_digest(fp)}}}:"
+    def _prefix(self, fp: dict, namespace: str = "") -> str:
+        base = f"{self.namespace}:{{{fingerprint_digest(fp)}}}:"
+        return base + f"{_check_ns(namespace)}:" if namespace else base
 
     def _count(self, k, n=1):
         with self._slock:
@@ -276,8 +283,9 @@ class RedisTier:
 
     # ---- internals: publishing ------------------------------------------------------------
     def _work(self, job):
-        cap, store, pin = job
-        res = self._guard(self._publish, "error", self._prefix(cap.meta.fingerprint), cap, store, pin, False)
+        cap, store, pin, namespace = job
+        res = self._guard(self._publish, "error", self._prefix(cap.meta.fingerprint, namespace), cap,
+                          store, pin, False)
         self._count("published" if res == "ok" else "deduped" if res in ("exists", "dup") else "dropped")
 
     def _publish(self, P, cap, store, pin, force):
@@ -320,6 +328,13 @@ def _held(store, cid: str) -> Capsule | None:
         return store.get(key) if key is not None else None
     except (KeyError, CapsuleCorruptError):
         return None
+
+
+def _check_ns(namespace: str) -> str:
+    """A store namespace as a key component: no braces (the hash tag) and no ':' (separator)."""
+    if not isinstance(namespace, str) or any(c in namespace for c in "{}:") or len(namespace) > 128:
+        raise ValueError(f"bad capsule namespace {namespace!r} for the Redis tier")
+    return namespace
 
 
 def _now_ms() -> int:

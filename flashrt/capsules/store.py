@@ -75,6 +75,10 @@ Shared tier
     fingerprint asks it for a longer prefix than the local one, putting what it fetches into
     the local tiers. Its faults never reach the caller: they are misses.
 
+Namespaces
+    put/match/key_of(namespace=ns): a capsule is matched and found only in its namespace; each
+    has its own prefix index (budgets and LRU order are shared). view(ns): capsules/namespaces.py.
+
 Several processes may open one disk_dir; each keeps its own index (built when it opens) and
 its own accounting, so budgets and LRU order are per process. What one process removes,
 another sees as a missing file: get() then forgets the key and raises KeyError.
@@ -83,112 +87,16 @@ from __future__ import annotations
 
 import threading
 import warnings
-from collections import OrderedDict
 
 import torch
 
 from flashrt.errors import CapsuleConsumedError, CapsuleCorruptError, CapsuleError, CapsuleMismatchError
 
 from . import format as _fmt
-from .disk import KEY, DiskDir, parent_id
-from .index import PrefixIndex
+from .catalog import _Catalog, _Rec
+from .disk import KEY, DiskDir
 from .tiers import DISK, TIERS, Tiers, loaded_size
 from .types import FINGERPRINT_KEYS, Capsule
-
-_MAX_TOMBSTONES = 4096
-
-
-class _Rec:
-    __slots__ = ("key", "id", "tier", "cap", "msize", "fsize", "pinned", "position", "parent",
-                 "children", "single_use", "fingerprint", "entries")
-
-    def __init__(self, key, cid, meta, entries, pinned):
-        self.key, self.id, self.pinned = key, cid, pinned
-        self.tier, self.cap = None, None
-        self.position, self.single_use = meta.position, bool(meta.single_use)
-        self.fingerprint = meta.fingerprint
-        self.parent = parent_id(meta, entries)
-        self.children: set = set()
-        self.entries = entries
-        self.msize = self.fsize = 0
-
-    def size(self, tier=None) -> int:
-        return self.fsize if (self.tier if tier is None else tier) == DISK else self.msize
-
-
-class _Catalog:
-    """Records by key and by capsule id, the LRU order (oldest first), delta parent links,
-    the prefix index over token histories, and tombstones of claimed single-use keys."""
-
-    def __init__(self):
-        self.recs: dict[str, _Rec] = {}
-        self.by_id: dict[str, str] = {}
-        self.lru: OrderedDict = OrderedDict()
-        self.index = PrefixIndex()
-        self.consumed: OrderedDict = OrderedDict()
-
-    def rec(self, key) -> _Rec:
-        rec = self.recs.get(key)
-        if rec is None:
-            if key in self.consumed:
-                raise CapsuleConsumedError(f"single-use capsule {key!r} was already claimed")
-            raise KeyError(key)
-        return rec
-
-    def add(self, rec: _Rec, tokens) -> None:
-        self.recs[rec.key] = rec
-        if rec.id:
-            self.by_id[rec.id] = rec.key
-        self.lru[rec.key] = None
-        self.consumed.pop(rec.key, None)
-        if rec.position > 0 and len(tokens) == rec.position:
-            self.index.add(rec.key, tokens)
-
-    def remove(self, rec: _Rec) -> None:
-        self.recs.pop(rec.key, None)
-        self.lru.pop(rec.key, None)
-        if self.by_id.get(rec.id) == rec.key:
-            del self.by_id[rec.id]
-        if rec.parent is not None:
-            pk = self.by_id.get(rec.parent)
-            if pk is not None:
-                self.recs[pk].children.discard(rec.key)
-        self.index.remove(rec.key)
-
-    def tombstone(self, key) -> None:
-        self.consumed[key] = None
-        while len(self.consumed) > _MAX_TOMBSTONES:
-            self.consumed.popitem(last=False)
-
-    def chain(self, rec) -> list:
-        """[root, ..., rec]: the records whose rows compose rec's state."""
-        out = [rec]
-        while out[-1].parent is not None:
-            pk = self.by_id.get(out[-1].parent)
-            if pk is None:
-                raise CapsuleMismatchError(f"capsule {out[-1].key!r} needs its parent "
-                                           f"{out[-1].parent}, which is not in the store")
-            out.append(self.recs[pk])
-        return out[::-1]
-
-    def parent_for(self, cap, pkey) -> _Rec:
-        """The stored record under pkey, checked as delta capsule cap's parent."""
-        parent, ref = self.recs[pkey], cap.meta.parent
-        if parent.position != ref.get("position"):
-            raise CapsuleMismatchError(f"delta capsule {cap.id}: stored parent {parent.id} is at "
-                                       f"position {parent.position}, it was made from {ref}")
-        if parent.single_use:
-            raise ValueError(f"delta capsule {cap.id}: its parent {parent.id} is single-use")
-        return parent
-
-    def candidates(self, tokens) -> list:
-        """Keys holding a prefix of tokens: [(n, keys most recently used first)], longest first."""
-        out = []
-        for n, keys in reversed(self.index.prefixes(tokens)):
-            order = {k: j for j, k in enumerate(reversed(self.lru)) if k in keys}
-            out.append((n, sorted(keys, key=lambda k: order.get(k, 1 << 60))))
-        return out
-
 
 class CapsuleStore:
     """Capsules by key over device / host / disk tiers; see the module docstring."""
@@ -209,18 +117,25 @@ class CapsuleStore:
             _index_disk(c, self._tiers, self._disk, verify)
 
     # ---- public API ----------------------------------------------------------------------
-    def put(self, cap: Capsule, key: str | None = None, pin: bool = False) -> str:
-        """Store `cap` under `key` (default: cap.id), queued for the shared tier too; the key."""
-        key = self._put(cap, key, pin)
+    def put(self, cap: Capsule, key: str | None = None, pin: bool = False, namespace: str = "") -> str:
+        """Store `cap` under `key` (default: cap.id) in `namespace`, queued for the shared tier too."""
+        key = self._put(cap, key, pin, namespace)
         if self.shared is not None:
-            self.shared.publish(cap, self, pin)
+            self.shared.publish(cap, self.view(namespace), pin, namespace=namespace)
         return key
 
-    def _put(self, cap: Capsule, key: str | None, pin: bool) -> str:
+    def view(self, namespace: str = ""):
+        """This store as namespace `namespace` sees it (capsules/namespaces.py)."""
+        from .namespaces import NamespaceView
+        return NamespaceView(self, namespace)
+
+    def _put(self, cap: Capsule, key: str | None, pin: bool, ns: str = "") -> str:
         with self._lock:
             key = _check_key(cap.id if key is None else key)
             old = self._recs.get(key)
             if old is not None:
+                if old.ns != ns:
+                    raise ValueError(f"capsule key {key!r} is taken in another namespace")
                 if old.id == cap.id and old.position == cap.position:
                     old.pinned = old.pinned or pin
                     self._lru.move_to_end(key)
@@ -228,10 +143,10 @@ class CapsuleStore:
                 self._drop(old, explicit=True)
             if cap.id and cap.id in self._by_id:
                 raise ValueError(f"capsule {cap.id} is already stored under key {self._by_id[cap.id]!r}")
-            rec = _Rec(key, cap.id, cap.meta, cap.entries, pin)
+            rec = _Rec(key, cap.id, cap.meta, cap.entries, pin, ns)
             rec.msize, rec.fsize = cap.data.numel(), _fmt.file_size(cap) if self._disk else 0
             self._tiers.refuse_if_too_big(rec, key)
-            parent = self._parent_for_put(cap) if rec.parent is not None else None
+            parent = self._parent_for_put(cap, ns) if rec.parent is not None else None
             order = [DISK] if rec.single_use and self._disk else list(range(self._tiers.last + 1))
             self._recs[key] = rec          # registered (tier None): room-making sees the parent
             if parent is not None:         # as referenced
@@ -286,18 +201,19 @@ class CapsuleStore:
         session.restore(cap, on_validated=None if token is None else lambda: self._claim(key, token))
         return cap
 
-    def match(self, tokens, fingerprint: dict | None = None):
-        """(capsule, n): the longest stored capsule whose token history is tokens[:n], or
+    def match(self, tokens, fingerprint: dict | None = None, namespace: str = ""):
+        """(capsule, n): the longest capsule of `namespace` whose token history is tokens[:n], or
         (None, 0). fingerprint (a runtime's): only capsules made by that model and layout."""
         tokens = _token_list(tokens)
-        cap, n = self._match(tokens, fingerprint)
+        cap, n = self._match(tokens, fingerprint, namespace)
         if self.shared is not None:       # a longer prefix elsewhere in the fleet, fetched here
-            cap, n = self.shared.extend_match(self, tokens, fingerprint, cap, n)
+            cap, n = self.shared.extend_match(self.view(namespace), tokens, fingerprint, cap, n,
+                                              namespace=namespace)
         return cap, n
 
-    def _match(self, tokens, fingerprint):
+    def _match(self, tokens, fingerprint, ns=""):
         with self._lock:
-            for n, keys in self._cat.candidates(tokens):
+            for n, keys in self._cat.candidates(tokens, ns):
                 for k in keys:
                     rec = self._recs.get(k)
                     if rec is None or rec.single_use or not _fp_ok(rec, fingerprint):
@@ -319,10 +235,18 @@ class CapsuleStore:
         with self._lock:
             return TIERS[self._cat.rec(key).tier]
 
-    def key_of(self, capsule_id: str) -> str | None:
-        """The key a capsule id is stored under, if any."""
+    def key_of(self, capsule_id: str, namespace: str | None = None) -> str | None:
+        """The key a capsule id is stored under, if any (namespace given: only in it)."""
         with self._lock:
-            return self._by_id.get(capsule_id)
+            key = self._by_id.get(capsule_id)
+            if key is not None and namespace is not None and self._recs[key].ns != namespace:
+                return None
+            return key
+
+    def namespace_of(self, key: str) -> str | None:
+        with self._lock:
+            rec = self._recs.get(key)
+            return rec.ns if rec is not None else None
 
     def keys(self) -> list:
         """Keys, least recently used first."""
@@ -340,14 +264,17 @@ class CapsuleStore:
         return f"CapsuleStore(used {self.footprint()} of {self.budgets()})"
 
     # ---- internals: records ---------------------------------------------------------------
-    def _parent_for_put(self, cap) -> _Rec:
+    def _parent_for_put(self, cap, ns="") -> _Rec:
         ref = cap.meta.parent or {}
         pkey = self._by_id.get(ref.get("id"))
+        if pkey is not None and self._recs[pkey].ns != ns:
+            raise CapsuleMismatchError(f"delta capsule {cap.id}: its parent {ref.get('id')} is "
+                                       "stored in another namespace")
         if pkey is None:
             if cap.parent_capsule is None:
                 raise CapsuleMismatchError(f"delta capsule {cap.id} needs its parent {ref.get('id')}, "
                                            "which is neither stored nor attached")
-            pkey = self.put(cap.parent_capsule)
+            pkey = self.put(cap.parent_capsule, namespace=ns)
         self._lru.move_to_end(pkey)
         return self._cat.parent_for(cap, pkey)
 

@@ -1,12 +1,16 @@
 """`flashrt serve`: an OpenAI-compatible HTTP server whose conversations live in capsules.
 
-Rule: HTTP only. serve/ reaches the runtime through the public faces of flashrt.lm and
-flashrt.capsules (and errors); it never imports core, nn, models, native, policy or dev.
+Rule: HTTP only. serve/ reaches the runtime through the public faces of flashrt.lm,
+flashrt.capsules and flashrt.speech (and errors); it never imports core, nn, models, native,
+policy or dev.
 
 Layout: options.py (ServeOptions: every setting, once), server.py (build, the command line),
 wire.py (request models, responses, errors), app.py + session_routes.py (thin routes),
 events.py (what the worker posts to a request), engine.py (the stepping worker), turns.py (one
 request's turn), text.py (templates, detokenization, stops), turn_store.py (TurnStore: capsule
-memory + disk), conversations.py (Conversation: a /v1/sessions history). Needs the `serve` extra.
+memory + disk), conversations.py (Conversation: a /v1/sessions history),
+guard.py (what every request passes: API keys, Host/Origin/content type, size and time limits),
+tenants.py (API keys as tenants, capsule namespaces), audio.py, realtime.py and
+audio_wire.py (the speech routes and their worker, with --asr-model). Needs the `serve` extra.
 """
 from .server import build, main  # noqa: F401

@@ -2,74 +2,33 @@
 
 OpenAI endpoints: GET /v1/models, POST /v1/completions, POST /v1/chat/completions, plus
 POST /v1/{chat/completions,completions}/{id}/cancel (barge-in). Sessions: session_routes.py.
+
+The event loop does no work that grows with a client's input beyond parsing its body: text
+longer than the context can hold is refused by its length, and templates and tokenizing run
+on a thread (Prompts). Every answer, errors included, is JSON in OpenAI's shape.
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import json
-import secrets
 import sys
 import time
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import StreamingResponse
 from starlette.exceptions import HTTPException
 
 from . import wire
 from .conversations import ConversationTable
 from .engine import Choice, Job, new_seed, wait
 from .events import FINAL, Cancelled, Delta, Done, Failed, Finished
+# the limits of every request (API key, Host, content type, body size and timeouts): guard.py
+from .guard import MAX_BODY, Guard, error_response, tenant_of  # noqa: F401 (MAX_BODY, Guard: old home)
 from .options import ServeOptions
+from .tenants import namespace
 from .text import TextStream
-from .wire import APIError
-
-MAX_BODY = 8 << 20
-
-
-class Guard:
-    """ASGI middleware: bearer API key on every path (when set) and a request body limit."""
-
-    def __init__(self, app, api_key: str | None, max_body: int):
-        self.app, self.key, self.max_body = app, api_key, max_body
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        headers = dict(scope["headers"])
-        if self.key is not None:
-            auth = headers.get(b"authorization", b"").decode("latin-1")
-            if not (auth.startswith("Bearer ") and secrets.compare_digest(auth[7:].encode(), self.key.encode())):
-                err = APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
-                               type="authentication_error", code="invalid_api_key")
-                return await _send_error(err, scope, receive, send)
-        length = headers.get(b"content-length")
-        if length is not None and length.isdigit() and int(length) > self.max_body:
-            return await _send_error(_too_big(int(length), self.max_body), scope, receive, send)
-        seen = 0
-
-        async def limited():
-            nonlocal seen
-            msg = await receive()
-            if msg["type"] == "http.request":
-                seen += len(msg.get("body", b""))
-                if seen > self.max_body:     # raised inside the route's body read: the app's
-                    raise _too_big(seen, self.max_body)   # APIError handler answers (JSON 413)
-            return msg
-        await self.app(scope, limited, send)
-
-
-def _too_big(n, limit):
-    return APIError(413, f"request body of {n}+ bytes exceeds the limit of {limit} bytes",
-                    code="body_too_large")
-
-
-async def _send_error(err, scope, receive, send):
-    await _error_response(err)(scope, receive, send)
-
-
-def _error_response(err: APIError) -> JSONResponse:
-    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+from .wire import APIError, check_text
 
 
 def create_app(engine, template, model_name: str, options: ServeOptions) -> FastAPI:
@@ -83,18 +42,25 @@ def create_app(engine, template, model_name: str, options: ServeOptions) -> Fast
         print("flashrt serve: stopped; turn capsules flushed", file=sys.stderr, flush=True)
     app = FastAPI(title="flashrt serve", docs_url=None, redoc_url=None, openapi_url=None,
                   lifespan=lifespan)
-    conversations = ConversationTable(idle_s=options.session_idle_s)
+    conversations = ConversationTable(idle_s=options.session_idle_s, per_key=options.max_sessions_per_key,
+                                      tokens_per_key=options.session_tokens_per_key)
     app.state.model_name = model_name
     rt_max = engine.max_seq_len
+    prompts = Prompts(engine, template)
 
     @app.exception_handler(APIError)
     async def _api_error(request, exc: APIError):
-        return _error_response(exc)
+        return error_response(exc)
 
     @app.exception_handler(HTTPException)
     async def _http_error(request, exc: HTTPException):
-        return _error_response(APIError(exc.status_code, f"{exc.detail}: {request.method} {request.url.path}",
-                                        code="not_found" if exc.status_code == 404 else None))
+        return error_response(APIError(exc.status_code, f"{exc.detail}: {request.method} "
+                                       f"{wire._echo(request.url.path, 200)}",
+                                       code="not_found" if exc.status_code == 404 else None))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request, exc: Exception):     # a bug: logged by uvicorn, still JSON
+        return error_response(APIError(500, f"internal error: {type(exc).__name__}", type="server_error"))
 
     def check_model(req):
         if req.model and req.model != model_name:
@@ -102,13 +68,13 @@ def create_app(engine, template, model_name: str, options: ServeOptions) -> Fast
                            param="model", code="model_not_found")
 
     def check_prompt(ids: list, req) -> int:
+        if len(ids) >= rt_max:        # first: a long list is refused without a pass over it
+            raise APIError(400, f"prompt of {len(ids)} tokens leaves no room to generate: "
+                           f"max_seq_len is {rt_max}", param="prompt", code="context_length_exceeded")
         bad = next((j for j, t in enumerate(ids) if not (isinstance(t, int) and 0 <= t < engine.vocab)), None)
         if bad is not None:
             raise APIError(400, f"token id {ids[bad]!r} at index {bad} is outside the vocabulary "
                            f"[0, {engine.vocab})", param="prompt")
-        if len(ids) >= rt_max:
-            raise APIError(400, f"prompt of {len(ids)} tokens leaves no room to generate: "
-                           f"max_seq_len is {rt_max}", param="prompt", code="context_length_exceeded")
         limit = req.limit()
         if limit is not None and limit > rt_max:
             raise APIError(400, f"{req.limit_field()} {limit} exceeds max_seq_len {rt_max}",
@@ -121,6 +87,14 @@ def create_app(engine, template, model_name: str, options: ServeOptions) -> Fast
 
     async def run(request, kind, req, ids, pin=0, conversation=None, default_max=None):
         check_model(req)
+        tenant = tenant_of(request)
+        if conversation is not None:
+            if req.cache_salt is not None and namespace(tenant, req.cache_salt) != conversation.ns:
+                raise APIError(400, "cache_salt differs from the session's (set when it was made)",
+                               param="cache_salt")
+            ns = conversation.ns
+        else:
+            ns = namespace(tenant, req.cache_salt)
         max_tokens = check_prompt(ids, req)
         if default_max is not None and req.limit() is None:
             max_tokens = min(max_tokens, default_max)
@@ -133,7 +107,8 @@ def create_app(engine, template, model_name: str, options: ServeOptions) -> Fast
         job = Job(id=wire.new_id("chatcmpl" if kind == "chat" else "cmpl"), prompt=ids, n=req.n,
                   max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
                   seed=req.seed, stops=req.stops(), pin=pin, conversation=conversation,
-                  ignore_eos=req.ignore_eos, post=lambda ev: loop.call_soon_threadsafe(q.put_nowait, ev))
+                  ignore_eos=req.ignore_eos, tenant=tenant, ns=ns,
+                  post=lambda ev: loop.call_soon_threadsafe(q.put_nowait, ev))
         job.choices = [Choice(i, TextStream(engine.tokenizer, job.stops), base + i) for i in range(req.n)]
         engine.submit(job)
         if req.stream:
@@ -163,35 +138,23 @@ def create_app(engine, template, model_name: str, options: ServeOptions) -> Fast
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
         req = wire.parse(wire.ChatRequest, await request.body())
-        try:
-            msgs = [{"role": m.role, "content": m.text()} for m in req.messages]
-            ids = engine.tokenizer.encode(template.render(msgs))
-            pin = 0
-            if req.pin_prefix == "system":
-                sys_msgs = [m for m in msgs[: next((i for i, m in enumerate(msgs) if m["role"] != "system"), len(msgs))]]
-                pre = engine.tokenizer.encode(template.render(sys_msgs, add_generation_prompt=False)) if sys_msgs else []
-                if ids[: len(pre)] != pre:
-                    raise ValueError("pin_prefix='system': the rendered system messages are not a "
-                                     "token prefix of the prompt under this template")
-                pin = len(pre)
-        except ValueError as e:
-            raise APIError(400, str(e), param="messages") from None
+        ids, pin = await prompts.chat(req)
         return await run(request, "chat", req, ids, pin=pin)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
         req = wire.parse(wire.CompletionRequest, await request.body())
         p = req.prompt_one()
-        ids = engine.tokenizer.encode(p) if isinstance(p, str) else list(p)
         if req.pin_prefix == "system":
             raise APIError(400, "pin_prefix='system' needs chat messages; give a token count",
                            param="pin_prefix")
+        ids = await prompts.ids(p)
         return await run(request, "text", req, ids, default_max=16)
 
     async def cancel(rid: str, request: Request):
         body = await request.body()
         req = wire.parse(wire.CancelRequest, body or b"{}")
-        kind, vals = req.per_choice(engine.job(rid).n)
+        kind, vals = req.per_choice(engine.job(rid, tenant_of(request)).n)
         cancellation = engine.cancel(rid, kind, vals)
         return {"id": cancellation.id, "cancelled": True, "kept_tokens": await wait(cancellation.kept)}
 
@@ -199,8 +162,66 @@ def create_app(engine, template, model_name: str, options: ServeOptions) -> Fast
     app.post("/v1/completions/{rid}/cancel")(cancel)
 
     from .session_routes import add_session_routes
-    add_session_routes(app, engine, conversations, run)
+    add_session_routes(app, engine, conversations, run, prompts)
+    from .audio import add_audio_routes     # speech: /v1/audio/transcriptions, /v1/realtime
+    add_audio_routes(app, options)
     return app
+
+
+class Prompts:
+    """Client text -> token ids, off the event loop. Text longer than the context can hold
+    (engine.max_text_chars) is refused before anything reads it; a lone surrogate is a 400."""
+
+    def __init__(self, engine, template):
+        self.engine, self.template = engine, template
+
+    def _too_long(self, chars: int, param: str) -> APIError:
+        e = self.engine
+        return APIError(400, f"{param} of {chars} characters cannot fit in max_seq_len {e.max_seq_len} "
+                        f"tokens (a token of this tokenizer covers at most "
+                        f"{e.max_text_chars // e.max_seq_len} characters): refused unread", param=param,
+                        code="context_length_exceeded")
+
+    def _check(self, text: str, param: str) -> str:
+        if len(text) > self.engine.max_text_chars:
+            raise self._too_long(len(text), param)
+        return check_text(text, param)
+
+    async def ids(self, prompt, param: str = "prompt") -> list:
+        """A prompt (text or ids) as ids; text is tokenized on a thread."""
+        if not isinstance(prompt, str):
+            return list(prompt or [])
+        self._check(prompt, param)
+        return await asyncio.to_thread(self.engine.tokenizer.encode, prompt)
+
+    async def chat(self, req) -> tuple:
+        """(ids, pinned prefix length) of a chat request's messages under the template."""
+        try:
+            msgs = [{"role": m.role, "content": m.text()} for m in req.messages]
+        except ValueError as e:
+            raise APIError(400, str(e), param="messages") from None
+        total = sum(len(m["content"]) for m in msgs)
+        if total > self.engine.max_text_chars:
+            raise self._too_long(total, "messages")
+        for m in msgs:
+            check_text(m["content"], "messages")
+        return await asyncio.to_thread(self._render, msgs, req.pin_prefix == "system")
+
+    def _render(self, msgs, pin_system: bool) -> tuple:
+        tok, template = self.engine.tokenizer, self.template
+        try:
+            ids = tok.encode(template.render(msgs))
+            pin = 0
+            if pin_system:
+                sys_msgs = msgs[: next((i for i, m in enumerate(msgs) if m["role"] != "system"), len(msgs))]
+                pre = tok.encode(template.render(sys_msgs, add_generation_prompt=False)) if sys_msgs else []
+                if ids[: len(pre)] != pre:
+                    raise ValueError("pin_prefix='system': the rendered system messages are not a "
+                                     "token prefix of the prompt under this template")
+                pin = len(pre)
+        except ValueError as e:
+            raise APIError(400, str(e), param="messages") from None
+        return ids, pin
 
 
 async def _events(job, q):

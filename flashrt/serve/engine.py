@@ -7,6 +7,11 @@ sessions (forks over shared weights, made at start), runs one step per active jo
 choice), and posts events (events.py) back with call_soon_threadsafe. A cancel is a Cut the
 worker reads before its next step: it rolls the session back to prompt + delivered tokens.
 Routes reach the model only through the methods here; none hands them a session.
+
+Namespaces (tenants.py): a job and every call carry one. A session remembers the namespace
+of the history it holds, and is emptied (reset) before work of another namespace runs on it,
+so its leftover history is never reused, or reported in cached_tokens, across namespaces;
+admission prefers a session of the job's own namespace.
 """
 from __future__ import annotations
 
@@ -22,7 +27,7 @@ from flashrt.lm import common_prefix, load as load_model
 
 from .events import Cancelled, Done, Failed
 from .options import ServeOptions
-from .text import TextStream
+from .text import TextStream, max_token_chars
 from .turn_store import TurnStore
 from .turns import Turns
 from .wire import APIError
@@ -72,6 +77,8 @@ class Job:
     post: object                  # callable(event): thread-safe hand-off to the event loop
     pin: int = 0                  # leading prompt tokens whose capsule is pinned
     ignore_eos: bool = False
+    tenant: str = ""              # who may cancel it (tenants.py)
+    ns: str = ""                  # the namespace its prompt is reused from and stored in
     conversation: object = None   # conversations.Conversation the turn belongs to
     choices: list = field(default_factory=list)
     cached: int = 0
@@ -95,7 +102,8 @@ class Engine:
         self._waiting: deque = deque()
         self._active: list = []
         self._jobs: OrderedDict = OrderedDict()       # id -> Job, active and recent
-        self._calls: deque = deque()                  # (fn(rt), Future) run on a free session
+        self._calls: deque = deque()                  # (fn(rt), Future, namespace) run on a free session
+        self._held: dict = {}                         # id(session) -> namespace of its history
         self._taken: list = []                        # calls given a session this round, not yet run
         self._cv = threading.Condition()
         self._stop = self._closed = False
@@ -130,7 +138,10 @@ class Engine:
         self.tokenizer = rt.tokenizer
         self.vocab = rt.model.net.vocab_size
         self.max_seq_len = rt.max_seq_len
-        self._store = TurnStore(o.budget_bytes, o.capsule_dir, self._shared, o.disk_bytes)
+        # text longer than this many characters cannot fit: refused before it is tokenized
+        self.max_text_chars = rt.max_seq_len * max_token_chars(rt.tokenizer, self.vocab)
+        self._store = TurnStore(o.budget_bytes, o.capsule_dir, self._shared, o.disk_bytes,
+                                o.named_bytes, o.max_named_per_key)
         # pinned prefixes hold at most half the budget: the other half stays for turns
         self.turns = Turns(self._store, eos=rt.model.eos_ids, fingerprint=rt.fingerprint, reuse=self.reuse,
                            pin_bytes=o.budget_bytes // 2, draft_tokens=o.draft_tokens)
@@ -157,10 +168,11 @@ class Engine:
             self._jobs[job.id] = job
             self._cv.notify()
 
-    def job(self, rid: str) -> Job:
+    def job(self, rid: str, tenant: str | None = None) -> Job:
+        """The job `rid` (of `tenant`, when given: another tenant's is not found)."""
         with self._cv:
             job = self._jobs.get(rid)
-        if job is None:
+        if job is None or tenant is not None and job.tenant != tenant:
             raise APIError(404, f"no response with id {rid!r} (unknown, or too old)",
                            code="response_not_found", param="response_id")
         return job
@@ -183,47 +195,53 @@ class Engine:
             job.cancel = Cut(kind, None if values is None else tuple(values))
             if job.phase == "running":              # the worker applies it before the job ends
                 return Cancellation(rid, job.ended)
-        return Cancellation(rid, self.call(lambda rt: self.turns.truncate(job, rt)))
+        return Cancellation(rid, self.call(lambda rt: self.turns.truncate(job, rt), job.ns))
 
     def has_turn(self, conversation) -> bool:
         """Whether a queued or running job is a turn of `conversation`."""
         with self._cv:
             return any(j.conversation is conversation for j in (*self._waiting, *self._active))
 
-    def remember(self, tokens) -> concurrent.futures.Future:
-        """Store the capsule of `tokens` for reuse (restored or prefilled on a free session);
-        nothing to do for none. The Future raises ValueError on input the model refuses."""
+    def remember(self, tokens, ns: str = "") -> concurrent.futures.Future:
+        """Store the capsule of `tokens` in namespace ns for reuse (restored or prefilled on a
+        free session); nothing to do for none. The Future raises ValueError on input the
+        model refuses."""
         tokens = list(tokens)
-        return self.call(lambda rt: self.turns.remember(rt, tokens) if tokens else None)
+        return self.call(lambda rt: self.turns.remember(rt, tokens, ns) if tokens else None, ns)
 
     @property
     def can_save_named(self) -> bool:
         """Whether save / load_saved work (the server has a capsule directory)."""
         return self._store.named is not None
 
-    def save(self, tokens, name: str, overwrite: bool = False) -> concurrent.futures.Future:
-        """The state of `tokens` on disk under `name`; the Future gives its position, or raises
-        FileExistsError when the name is taken (and not overwrite)."""
+    def save(self, tokens, name: str, overwrite: bool = False, tenant: str = "",
+             ns: str = "") -> concurrent.futures.Future:
+        """The state of `tokens` (namespace ns) on disk under `name` of `tenant`; the Future
+        gives its position, or raises FileExistsError when the name is taken (and not
+        overwrite), capsules.named.NamedLimitError past a limit."""
         tokens = list(tokens)
 
         def fn(rt):
-            self.turns.set_context(rt, tokens)
-            return self._store.save_named(rt, name, overwrite)
-        return self.call(fn)
+            self.turns.set_context(rt, tokens, ns)
+            return self._store.save_named(rt, name, tenant, overwrite)
+        return self.call(fn, ns)
 
-    def load_saved(self, name: str) -> concurrent.futures.Future:
-        """The tokens saved under `name` (its capsule goes into memory for reuse); the Future
-        raises KeyError for an unknown name."""
-        return self.call(lambda rt: self._store.load_named(name))
+    def load_saved(self, name: str, tenant: str = "", ns: str = "") -> concurrent.futures.Future:
+        """The tokens `tenant` saved under `name` (its capsule goes into memory, namespace ns,
+        for reuse); the Future raises KeyError for an unknown name, CapsuleMismatchError for
+        another model's save, CapsuleCorruptError for a damaged one (moved aside)."""
+        fp = self.turns.fingerprint
+        return self.call(lambda rt: self._store.load_named(name, tenant, ns, fp), ns)
 
-    def call(self, fn) -> concurrent.futures.Future:
-        """Run fn(session) on the worker when a session is free; returns a Future. For the
-        engine's own methods and tests: a route never gets a session."""
+    def call(self, fn, ns: str = "") -> concurrent.futures.Future:
+        """Run fn(session) on the worker when a session is free, the session holding nothing
+        of another namespace than ns; returns a Future. For the engine's own methods and
+        tests: a route never gets a session."""
         fut = concurrent.futures.Future()
         with self._cv:
             if self._stop or self.error:
                 raise APIError(503, "engine unavailable", type="server_error", headers={"Retry-After": "5"})
-            self._calls.append((fn, fut))
+            self._calls.append((fn, fut, ns))
             self._cv.notify()
         return fut
 
@@ -263,8 +281,8 @@ class Engine:
                     while self._calls and self.free:
                         calls.append((*self._calls.popleft(), self.free.pop()))
                     admitted = self._admit()
-                for fn, fut, rt in calls:
-                    self._run_call(fn, fut, rt)
+                for fn, fut, ns, rt in calls:
+                    self._run_call(fn, fut, ns, rt)
                 self._taken = []
                 for job in admitted:
                     self._guard(job, self.turns.prefill)
@@ -284,7 +302,7 @@ class Engine:
                        headers={"Retry-After": "5"})
         with self._cv:
             jobs = list(self._waiting) + list(self._active)
-            calls = [(fn, fut) for fn, fut, _ in self._taken] + list(self._calls)
+            calls = [(fn, fut) for fn, fut, _, _ in self._taken] + [c[:2] for c in self._calls]
             self._waiting.clear()
             self._active.clear()
             self._calls.clear()
@@ -297,10 +315,17 @@ class Engine:
             if not fut.done():          # one taken this round may have run before the death
                 fut.set_exception(err)
 
-    def _run_call(self, fn, fut, rt) -> None:
+    def _enter(self, rt, ns: str) -> None:
+        """rt is about to run work of namespace ns: emptied first if it holds another's."""
+        if self._held.get(id(rt), "") != ns:
+            rt.reset()
+            self._held[id(rt)] = ns
+
+    def _run_call(self, fn, fut, ns, rt) -> None:
         try:
             if fut.set_running_or_notify_cancel():      # False: its caller stopped waiting
                 try:
+                    self._enter(rt, ns)
                     fut.set_result(fn(rt))
                 except BaseException as e:              # noqa: BLE001 (handed to the caller)
                     fut.set_exception(e)
@@ -312,18 +337,23 @@ class Engine:
         out = []
         while self._waiting and len(self.free) >= self._waiting[0].n:
             job = self._waiting[0]          # left queued until it has sessions (_fail_all)
-            rts = self._pick(job.prompt, job.n)
+            rts = self._pick(job.prompt, job.n, job.ns)
             self._waiting.popleft()
             for c, rt in zip(job.choices, rts):
+                self._enter(rt, job.ns)
                 c.rt = rt
             job.phase = "running"
             self._active.append(job)
             out.append(job)
         return out
 
-    def _pick(self, prompt: list, n: int) -> list:
-        """Free sessions, the one whose own history shares the longest prefix first."""
-        best = sorted(self.free, key=lambda rt: common_prefix(rt.tokens, prompt), reverse=True)[:n]
+    def _pick(self, prompt: list, n: int, ns: str = "") -> list:
+        """Free sessions: those holding namespace ns's history first, the one whose history
+        shares the longest prefix first (another namespace's history counts as nothing)."""
+        def score(rt):
+            mine = self._held.get(id(rt), "") == ns
+            return (mine, common_prefix(rt.tokens, prompt) if mine else 0)
+        best = sorted(self.free, key=score, reverse=True)[:n]
         for rt in best:
             self.free.remove(rt)
         return best
@@ -360,7 +390,7 @@ class Engine:
             if c.rt is None:
                 continue
             if remember and self.reuse:
-                self._store.remember_turn(c.rt)
+                self._store.remember_turn(c.rt, job.ns)
             with self._cv:
                 self.free.append(c.rt)
             c.rt = None

@@ -8,6 +8,8 @@ from dataclasses import dataclass, field, fields, replace
 
 from flashrt.lm import Options
 
+from . import tenants
+
 MB = 1 << 20
 
 
@@ -25,6 +27,13 @@ class ServeOptions:
     port: int = 8000
     # secrets (the key; a Redis URL may carry AUTH) stay out of repr, so out of logs
     api_key: str | None = field(default=None, repr=False)   # 'Authorization: Bearer KEY' when set
+    api_keys: tuple = field(default=(), repr=False)          # more keys: one tenant each
+    allowed_hosts: tuple = ()             # Host names accepted without a key, besides localhost
+    read_timeout_s: float = 30.0          # a request's head, and its body, must arrive within
+    max_sessions_per_key: int = 1024      # /v1/sessions a tenant may hold
+    session_tokens_per_key: int = 8_000_000   # tokens a tenant's sessions and snapshots hold
+    max_named_per_key: int = 64           # sessions a tenant may save by name
+    capsule_named_mb: float = 1024        # disk for named saves (all tenants)
     capsule_budget_mb: float = 1024       # memory for stored capsules; 0: no reuse (a baseline)
     capsule_dir: str | None = None        # each turn's capsule on disk too, reused after a restart
     capsule_disk_mb: float = 8192         # disk for capsule_dir, LRU beyond it
@@ -33,6 +42,11 @@ class ServeOptions:
     session_idle_s: float = 3600.0        # /v1/sessions idle this long expire
     threads: int | None = None            # torch CPU threads of the engine; None: torch's
     draft_tokens: int = 0                 # MTP drafts a speculative round; 0: off
+    # speech (audio.py): a nemotron_asr_streaming checkpoint enables /v1/audio and /v1/realtime
+    asr_model: str | None = None
+    asr_sessions: int = 2                 # concurrent recognizer streams, forks of one model
+    asr_lookahead: int | None = None      # encoder frames of right context; None: the model's first
+    max_audio_s: float = 300.0            # longest file /v1/audio/transcriptions takes
 
     def __post_init__(self):
         if not isinstance(self.lm, Options):
@@ -42,6 +56,32 @@ class ServeOptions:
         _require(self.capsule_budget_mb >= 0, f"--capsule-budget-mb must be >= 0, got {self.capsule_budget_mb}")
         _require(self.capsule_disk_mb > 0, f"--capsule-disk-mb must be > 0, got {self.capsule_disk_mb}")
         _require(self.session_idle_s > 0, f"--session-idle-s must be > 0, got {self.session_idle_s}")
+        _require(self.read_timeout_s > 0, f"--read-timeout-s must be > 0, got {self.read_timeout_s}")
+        _require(self.max_sessions_per_key >= 1,
+                 f"--max-sessions-per-key must be >= 1, got {self.max_sessions_per_key}")
+        _require(self.session_tokens_per_key >= 1,
+                 f"--session-tokens-per-key must be >= 1, got {self.session_tokens_per_key}")
+        _require(self.max_named_per_key >= 1, f"--max-named-per-key must be >= 1, got {self.max_named_per_key}")
+        _require(self.capsule_named_mb > 0, f"--capsule-named-mb must be > 0, got {self.capsule_named_mb}")
+        _require(self.asr_sessions >= 1, f"--asr-sessions must be >= 1, got {self.asr_sessions}")
+        _require(self.max_audio_s > 0, f"--max-audio-s must be > 0, got {self.max_audio_s}")
+        if self.api_key is not None:
+            tenants.check_key(self.api_key, "--api-key (or FLASHRT_API_KEY)")
+        for k in self.api_keys:
+            tenants.check_key(k, "--api-keys")
+        for h in self.allowed_hosts:
+            _require(isinstance(h, str) and h and h == h.strip() and "/" not in h,
+                     f"--allowed-host: bad host name {h!r}")
+
+    @property
+    def keys(self) -> dict:
+        """API key -> tenant id, every key given; empty: no key is required."""
+        keys = ([self.api_key] if self.api_key is not None else []) + list(self.api_keys)
+        return {k: tenants.tenant_id(k) for k in keys}
+
+    @property
+    def named_bytes(self) -> int:
+        return int(self.capsule_named_mb * MB)
 
     @property
     def max_sessions(self) -> int:
@@ -80,13 +120,23 @@ class ServeOptions:
 
     @classmethod
     def from_args(cls, ns) -> ServeOptions:
-        """The options of a parsed `flashrt serve` command line (flashrt.serve.server.parser)."""
+        """The options of a parsed `flashrt serve` command line (flashrt.serve.server.parser).
+        The API key: --api-key, else the FLASHRT_API_KEY environment variable (out of `ps`);
+        --api-keys FILE adds one tenant per line."""
+        key = ns.api_key if ns.api_key is not None else tenants.key_from_env()
         return cls.from_settings(
             device=ns.device, dtype=ns.dtype, max_seq_len=ns.max_seq_len, max_sessions=ns.max_sessions,
-            host=ns.host, port=ns.port, api_key=ns.api_key, capsule_budget_mb=ns.capsule_budget_mb,
+            host=ns.host, port=ns.port, api_key=key,
+            api_keys=tenants.read_keys(ns.api_keys) if ns.api_keys else (),
+            allowed_hosts=tuple(ns.allowed_host or ()), read_timeout_s=ns.read_timeout_s,
+            max_sessions_per_key=ns.max_sessions_per_key, session_tokens_per_key=ns.session_tokens_per_key,
+            max_named_per_key=ns.max_named_per_key, capsule_named_mb=ns.capsule_named_mb,
+            capsule_budget_mb=ns.capsule_budget_mb,
             capsule_dir=ns.capsule_dir, capsule_disk_mb=ns.capsule_disk_mb,
             capsule_redis=ns.capsule_redis, max_queue=ns.max_queue,
-            session_idle_s=ns.session_idle_s, threads=ns.threads, draft_tokens=ns.draft_tokens)
+            session_idle_s=ns.session_idle_s, threads=ns.threads, draft_tokens=ns.draft_tokens,
+            asr_model=ns.asr_model, asr_sessions=ns.asr_sessions, asr_lookahead=ns.asr_lookahead,
+            max_audio_s=ns.max_audio_s)
 
 
 def _require(ok: bool, message: str) -> None:

@@ -8,12 +8,14 @@ from pathlib import Path
 
 def build(model_dir, options=None, **settings):
     """(asgi app, engine) for model_dir: load the model (options.max_sessions sessions), wire
-    the routes, and guard every path (API key when set, body size limit).
+    the routes, and guard every path (guard.py: API keys, or without one Host, Origin and
+    content type; body size limit and read timeout).
 
     options: a ServeOptions (default: the defaults); settings: keywords of
     ServeOptions.from_settings (device, max_seq_len, max_sessions, draft_tokens, ...) over it."""
-    from .app import MAX_BODY, Guard, create_app
+    from .app import create_app
     from .engine import Engine
+    from .guard import MAX_BODY, Guard
     from .options import ServeOptions
     from .text import ChatTemplate
     if settings or options is None:
@@ -21,7 +23,8 @@ def build(model_dir, options=None, **settings):
     template = ChatTemplate(model_dir)
     engine = Engine(options, model_dir=model_dir)
     app = create_app(engine, template, Path(model_dir).resolve().name, options)
-    return Guard(app, options.api_key, MAX_BODY), engine
+    return Guard(app, options.keys, MAX_BODY, host=options.host, allowed_hosts=options.allowed_hosts,
+                 read_timeout_s=options.read_timeout_s), engine
 
 
 def parser(p=None) -> argparse.ArgumentParser:
@@ -43,7 +46,23 @@ def parser(p=None) -> argparse.ArgumentParser:
                    help="disk for --capsule-dir, LRU beyond it (named saves are kept)")
     p.add_argument("--capsule-redis", default=None, metavar="URL",
                    help="share capsules with a fleet through Redis (redis:// or rediss://, AUTH in the URL)")
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' everywhere")
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' everywhere (visible in ps: prefer the "
+                   "FLASHRT_API_KEY environment variable or --api-keys FILE)")
+    p.add_argument("--api-keys", default=None, metavar="FILE",
+                   help="API keys, one a line: each key is a tenant with its own sessions, names and "
+                   "capsule reuse")
+    p.add_argument("--allowed-host", action="append", default=None, metavar="NAME",
+                   help="without an API key, also answer requests whose Host is NAME (repeatable; '*': "
+                   "any). Default: the bound address and localhost names only")
+    p.add_argument("--read-timeout-s", type=float, default=30,
+                   help="a request's head, and then its body, must arrive within this (408 past it)")
+    p.add_argument("--max-sessions-per-key", type=int, default=1024, help="/v1/sessions a key may hold")
+    p.add_argument("--session-tokens-per-key", type=int, default=8_000_000,
+                   help="tokens a key's sessions and their snapshots may hold together")
+    p.add_argument("--max-named-per-key", type=int, default=64, help="sessions a key may save by name")
+    p.add_argument("--capsule-named-mb", type=float, default=1024,
+                   help="disk for sessions saved by name (all keys); full: a save is a 507")
     p.add_argument("--max-sessions", type=int, default=4, help="model sessions (concurrent requests)")
     p.add_argument("--max-queue", type=int, default=None, help="waiting requests before 429 (default 4x sessions)")
     p.add_argument("--session-idle-s", type=float, default=3600,
@@ -53,6 +72,16 @@ def parser(p=None) -> argparse.ArgumentParser:
     p.add_argument("--draft-tokens", type=int, default=0,
                    help="speculative decoding with the checkpoint's MTP layer, this many drafts a "
                    "round (0: off); output follows the same greedy/sampling rule")
+    p.add_argument("--asr-model", default=None, metavar="DIR",
+                   help="a nemotron_asr_streaming checkpoint: serve POST /v1/audio/transcriptions and the "
+                   "/v1/realtime?intent=transcription WebSocket (server VAD needs silero-vad)")
+    p.add_argument("--asr-sessions", type=int, default=2,
+                   help="concurrent recognizer streams (forks of one loaded model); a 429 past them")
+    p.add_argument("--asr-lookahead", type=int, default=None,
+                   help="the recognizer's right context in 80 ms frames (Nemotron: 0, 1, 6 or 13; "
+                   "default the model's first)")
+    p.add_argument("--max-audio-s", type=float, default=300,
+                   help="longest audio file /v1/audio/transcriptions takes (a 400 past it)")
     return p
 
 
@@ -69,9 +98,13 @@ def main(args) -> int:
     app, engine = build(args.model, options)
     if options.host not in ("127.0.0.1", "localhost", "::1"):
         print(f"flashrt serve: listening on {options.host}, not loopback only"
-              + ("" if options.api_key else " and WITHOUT an API key"))
+              + ("" if options.keys else " and WITHOUT an API key (Host must be a localhost name "
+                 "or an --allowed-host)"))
+    from .guard import MAX_CONNECTIONS, protocol
     try:
-        uvicorn.run(app, host=options.host, port=options.port, log_level="warning")
+        uvicorn.run(app, host=options.host, port=options.port, log_level="warning",
+                    http=protocol(options.read_timeout_s), limit_concurrency=MAX_CONNECTIONS,
+                    timeout_keep_alive=5)
     finally:
         engine.close()     # done by the app's shutdown already, unless uvicorn failed to start
     return 0

@@ -10,61 +10,78 @@
     POST   /v1/sessions/{id}/fork             -> a new session with the same history
     POST   /v1/sessions/{id}/rollback         {"position"}
     POST   /v1/sessions/{id}/save             {"name", "overwrite"?}  (needs --capsule-dir; names
-                                              are shared by every client of the server)
-    POST   /v1/sessions/load                  {"name"}  -> a new session from the saved capsule
+                                              are the API key's own)
+    POST   /v1/sessions/load                  {"name", "cache_salt"?}  -> a new session from the
+                                              saved capsule
 A turn is cancelled like any response: POST /v1/completions/{response_id}/cancel.
 Model work goes through the engine's methods (remember, save, load_saved), never a session.
+A session belongs to the tenant (API key) that made it, and its turns reuse capsules only in
+its namespace (the tenant's, or with "cache_salt" at creation the tenant's and salt's).
 """
 from __future__ import annotations
 
 from fastapi import Request
 
+from flashrt.capsules import NamedLimitError
+from flashrt.errors import CapsuleCorruptError, CapsuleMismatchError
+
 from . import wire
 from .engine import wait
+from .guard import tenant_of
+from .tenants import namespace
 from .wire import APIError
 
 
-def add_session_routes(app, engine, conversations, run) -> None:
+def add_session_routes(app, engine, conversations, run, prompts) -> None:
     async def on_worker(fut):
         try:
             return await wait(fut)
         except ValueError as e:
             raise APIError(400, str(e)) from None
 
-    def ids_of(prompt) -> list:
-        ids = engine.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt or [])
+    async def ids_of(prompt) -> list:
+        if isinstance(prompt, list) and len(prompt) >= engine.max_seq_len:
+            raise APIError(400, f"prompt of {len(prompt)} tokens exceeds max_seq_len", param="prompt",
+                           code="context_length_exceeded")
+        ids = await prompts.ids(prompt)
         bad = next((j for j, t in enumerate(ids) if not 0 <= t < engine.vocab), None)
         if bad is not None:
             raise APIError(400, f"token id {ids[bad]} at index {bad} is outside the vocabulary "
                            f"[0, {engine.vocab})", param="prompt")
         return ids
 
+    def mine(sid: str, request: Request):
+        return conversations.get(sid, tenant_of(request))
+
     @app.post("/v1/sessions")
     async def create(request: Request):
         req = wire.parse(wire.SessionCreate, await request.body() or b"{}")
         if req.model and req.model != app.state.model_name:
             raise APIError(404, f"unknown model {req.model!r}", param="model", code="model_not_found")
-        ids = ids_of(req.prompt)
+        ids = await ids_of(req.prompt)
         if len(ids) >= engine.max_seq_len:
-            raise APIError(400, f"prompt of {len(ids)} tokens exceeds max_seq_len", param="prompt")
-        await on_worker(engine.remember(ids))    # first: a failed prefill leaves no session
-        return conversations.create(ids).info()
+            raise APIError(400, f"prompt of {len(ids)} tokens exceeds max_seq_len", param="prompt",
+                           code="context_length_exceeded")
+        tenant = tenant_of(request)
+        ns = namespace(tenant, req.cache_salt)
+        await on_worker(engine.remember(ids, ns))    # first: a failed prefill leaves no session
+        return conversations.create(ids, tenant, ns).info()
 
     @app.get("/v1/sessions/{sid}")
-    async def get(sid: str):
-        return conversations.get(sid).info()
+    async def get(sid: str, request: Request):
+        return mine(sid, request).info()
 
     @app.delete("/v1/sessions/{sid}")
-    async def delete(sid: str):
-        conversations.delete(sid)
+    async def delete(sid: str, request: Request):
+        conversations.delete(sid, tenant_of(request))
         return {"id": sid, "deleted": True}
 
     @app.post("/v1/sessions/{sid}/completions")
     async def turn(sid: str, request: Request):
-        s = conversations.get(sid)
+        s = mine(sid, request)
         req = wire.parse(wire.CompletionRequest, await request.body())
         p = req.prompt_one()
-        new = engine.tokenizer.encode(p) if isinstance(p, str) else list(p)
+        new = await prompts.ids(p)
         history = s.begin_turn()
         try:
             return await run(request, "text", req, history + new, conversation=s, default_max=16)
@@ -74,28 +91,29 @@ def add_session_routes(app, engine, conversations, run) -> None:
             raise
 
     @app.post("/v1/sessions/{sid}/snapshot")
-    async def snapshot(sid: str):
-        s = conversations.get(sid)
-        return {"id": sid, "snapshot_id": s.snapshot(), "position": len(s.tokens)}
+    async def snapshot(sid: str, request: Request):
+        s = mine(sid, request)
+        snap = s.snapshot()
+        return {"id": sid, "snapshot_id": snap, "position": len(s.history())}
 
     @app.post("/v1/sessions/{sid}/restore")
     async def restore(sid: str, request: Request):
-        s = conversations.get(sid)
+        s = mine(sid, request)
         req = wire.parse(wire.RestoreRequest, await request.body())
         s.restore(req.snapshot_id)
         return s.info()
 
     @app.post("/v1/sessions/{sid}/fork")
-    async def fork(sid: str):
-        s = conversations.get(sid)
-        return conversations.create(s.info()["tokens"]).info()
+    async def fork(sid: str, request: Request):
+        s = mine(sid, request)                        # the fork shares the history (no copy)
+        return conversations.create(s.history(), s.tenant, s.ns).info()
 
     @app.post("/v1/sessions/{sid}/rollback")
     async def rollback(sid: str, request: Request):
-        s = conversations.get(sid)
+        s = mine(sid, request)
         req = wire.parse(wire.RollbackRequest, await request.body())
         s.rollback(req.position)
-        await on_worker(engine.remember(s.info()["tokens"]))   # the capsule of the rolled-back state
+        await on_worker(engine.remember(s.history(), s.ns))   # the capsule of the rolled-back state
         return s.info()
 
     def need_disk():
@@ -104,26 +122,43 @@ def add_session_routes(app, engine, conversations, run) -> None:
 
     @app.post("/v1/sessions/{sid}/save")
     async def save(sid: str, request: Request):
-        s = conversations.get(sid)
+        s = mine(sid, request)
         req = wire.parse(wire.SaveRequest, await request.body())
         need_disk()
-        toks = s.info()["tokens"]
+        toks = s.history()
         if not toks:
             raise APIError(400, f"session {sid} is empty: nothing to save")
         try:
-            position = await on_worker(engine.save(toks, req.name, req.overwrite))
+            position = await on_worker(engine.save(toks, req.name, req.overwrite, s.tenant, s.ns))
         except FileExistsError:
             raise APIError(409, f"a session is already saved as {req.name!r}: pass "
                            "\"overwrite\": true to replace it", param="name",
                            code="name_taken") from None
+        except NamedLimitError as e:
+            if e.limit == "count":
+                raise APIError(429, f"this API key has {e.value} sessions saved by name, the most "
+                               "it may (--max-named-per-key): overwrite one", param="name",
+                               type="rate_limit_error", code="named_quota") from None
+            raise APIError(507, f"no room for another saved session: named saves hold their "
+                           f"budget (--capsule-named-mb, {e.value} B)", type="server_error",
+                           code="named_budget_full") from None
         return {"id": sid, "name": req.name, "position": position}
 
     @app.post("/v1/sessions/load")
     async def load(request: Request):
-        req = wire.parse(wire.NameRequest, await request.body())
+        req = wire.parse(wire.LoadRequest, await request.body())
         need_disk()
+        tenant = tenant_of(request)
+        ns = namespace(tenant, req.cache_salt)
         try:
-            toks = await on_worker(engine.load_saved(req.name))
+            toks = await on_worker(engine.load_saved(req.name, tenant, ns))
         except KeyError:
             raise APIError(404, f"no saved session named {req.name!r}", param="name") from None
-        return conversations.create(toks).info()
+        except CapsuleMismatchError as e:
+            raise APIError(409, f"saved session {req.name!r} cannot be loaded here: "
+                           f"{str(e).split(': ', 1)[-1]}", param="name", code="model_mismatch") from None
+        except CapsuleCorruptError:
+            raise APIError(500, f"saved session {req.name!r} is damaged: it was moved aside and "
+                           "can no longer be loaded by this name", type="server_error",
+                           code="saved_session_damaged") from None
+        return conversations.create(toks, tenant, ns).info()

@@ -5,8 +5,13 @@ costs its own rows). With a capsule directory, each turn end is also written as 
 capsule by a background writer (the worker only pays the snapshot copy; at most
 MAX_PENDING wait, more are skipped), replacing that conversation's previous turn file; the
 directory is LRU-trimmed to its own budget. Sessions saved by name go to its named/
-folder, never trimmed. On start, the newest files that fit the memory budget are loaded into
-the memory store, so a restarted server reuses earlier conversations.
+folder (capsules.NamedCapsules: a folder per tenant, a byte budget and a count per tenant,
+never trimmed). On start, the newest files that fit the memory budget are loaded into the
+memory store, so a restarted server reuses earlier conversations.
+
+Every capsule lives in a namespace (tenants.py): the memory store's (CapsuleStore namespaces,
+which its Redis tier follows) and a turn file's, whose key is "<namespace>.<capsule id>" (the
+default namespace: the id alone), so a restart puts each back where it was.
 """
 from __future__ import annotations
 
@@ -15,20 +20,32 @@ from pathlib import Path
 import threading
 import warnings
 
+from flashrt.capsules.named import NamedCapsules
 from flashrt.capsules.store import CapsuleStore
 from flashrt.errors import CapsuleError
 
 MAX_PENDING = 64          # turn capsules waiting for the disk writer (each a full snapshot)
 
 
+def _disk_key(ns: str, cap) -> str:
+    return f"{ns}.{cap.id}" if ns else cap.id
+
+
+def _key_ns(key: str) -> str:
+    """The namespace of a turn file's key (capsule ids hold no '.')."""
+    return key.split(".", 1)[0] if "." in key else ""
+
+
 class TurnStore:
-    def __init__(self, budget_bytes: int, disk_dir=None, shared=None, disk_bytes: int | None = None):
+    def __init__(self, budget_bytes: int, disk_dir=None, shared=None, disk_bytes: int | None = None,
+                 named_bytes: int | None = None, named_per_tenant: int | None = None):
         # shared: a fleet tier (capsules.redis_tier) the memory store publishes to and asks
         self.mem = CapsuleStore(device_bytes=budget_bytes, host_bytes=0, shared=shared)
         self.shared = shared
         self.disk = CapsuleStore(disk_dir=disk_dir, disk_bytes=disk_bytes) if disk_dir else None
-        self.named = CapsuleStore(disk_dir=Path(disk_dir) / "named") if disk_dir else None
-        self._written: dict[str, tuple] = {}     # disk key -> tokens, turn files of this process
+        self.named = (NamedCapsules(Path(disk_dir) / "named", named_bytes, named_per_tenant)
+                      if disk_dir else None)
+        self._written: dict[str, tuple] = {}     # disk key -> (namespace, tokens), this process's
         self._q: queue.Queue = queue.Queue(MAX_PENDING)
         self._writer = None
         if self.disk is not None:
@@ -36,6 +53,10 @@ class TurnStore:
             self._writer = threading.Thread(target=self._write_loop, name="flashrt-capsule-writer",
                                             daemon=True)
             self._writer.start()
+
+    def view(self, ns: str):
+        """The memory store as namespace ns sees it."""
+        return self.mem.view(ns)
 
     def _preload(self, budget: int) -> None:
         used = 0
@@ -48,38 +69,39 @@ class TurnStore:
             if used + cap.data.numel() > budget:
                 return
             try:
-                self.mem.put(cap)
+                self.mem.put(cap, namespace=_key_ns(key))
                 used += cap.data.numel()
             except (ValueError, CapsuleError):
                 continue
 
-    def remember_turn(self, rt) -> None:
+    def remember_turn(self, rt, ns: str = "") -> None:
         """Turn end: the session's state into memory (a delta) and, with a disk, a full copy."""
-        rt.set_context(rt.tokens, store=self.mem)       # nothing to run: only the memo
+        rt.set_context(rt.tokens, store=self.view(ns))  # nothing to run: only the memo
         if self.disk is not None and rt.position:
             try:
-                self._q.put_nowait(rt.snapshot())
+                self._q.put_nowait((ns, rt.snapshot()))
             except queue.Full:                           # a slow disk must not fill the memory
                 warnings.warn(f"flashrt serve: {MAX_PENDING} turn capsules wait for the disk: "
                               "this one is kept in memory only")
 
     def _write_loop(self) -> None:
         while True:
-            cap = self._q.get()
-            if cap is None:
+            item = self._q.get()
+            if item is None:
                 return
+            ns, cap = item
             try:
                 toks = tuple(cap.history)
-                key = self.disk.put(cap)
-                # a turn file made redundant by this one (same conversation, shorter) goes;
-                # files the budget evicted are forgotten
-                for k, t in list(self._written.items()):
+                key = self.disk.put(cap, key=_disk_key(ns, cap))
+                # a turn file made redundant by this one (same namespace and conversation,
+                # shorter) goes; files the budget evicted are forgotten
+                for k, (kns, t) in list(self._written.items()):
                     if k not in self.disk:
                         del self._written[k]
-                    elif len(t) < len(toks) and toks[: len(t)] == t:
+                    elif kns == ns and len(t) < len(toks) and toks[: len(t)] == t:
                         self.disk.drop(k)
                         del self._written[k]
-                self._written[key] = toks
+                self._written[key] = (ns, toks)
             except (OSError, ValueError, CapsuleError) as e:
                 warnings.warn(f"flashrt serve: turn capsule not written to disk: {e}")
             finally:
@@ -90,20 +112,22 @@ class TurnStore:
         if self.disk is not None:
             self._q.join()
 
-    def save_named(self, rt, name: str, overwrite: bool = False) -> int:
-        """The session's state on disk under `name` (named/, never trimmed). An existing name
-        raises FileExistsError unless overwrite."""
-        if not overwrite and name in self.named:
+    def save_named(self, rt, name: str, tenant: str = "", overwrite: bool = False) -> int:
+        """The session's state on disk under `name` of `tenant` (named/, never trimmed). An
+        existing name raises FileExistsError unless overwrite; a limit, NamedLimitError."""
+        if not overwrite and (name, tenant) in self.named:
             raise FileExistsError(name)
         cap = rt.snapshot()
-        self.named.put(cap, key=name)
+        self.named.save(cap, name, tenant, overwrite)
         return cap.position
 
-    def load_named(self, name: str):
-        """The tokens of a capsule saved by name; the capsule goes into memory for reuse."""
-        cap = self.named.get(name)
+    def load_named(self, name: str, tenant: str = "", ns: str = "", fingerprint: dict | None = None):
+        """The tokens of a capsule `tenant` saved by name; the capsule goes into memory (in
+        namespace ns) for reuse. KeyError: no such name; CapsuleMismatchError: another model's;
+        CapsuleCorruptError: damaged (moved aside)."""
+        cap = self.named.load(name, tenant, fingerprint)
         try:
-            self.mem.put(cap)
+            self.view(ns).put(cap)
         except (ValueError, CapsuleError):
             pass                                       # too big, or already there: reuse by tokens
         return cap.history

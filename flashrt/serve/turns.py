@@ -3,6 +3,8 @@
 The engine's worker calls these; nothing here touches the queue or another job. Greedy
 tokens are sent before they run through the model (the step that makes the next logits);
 a cancel keeps prompt + delivered tokens and rolls the rest back, recurrent state included.
+Every store access goes through the job's namespace (the memory store's view of it): a
+prompt is reused only from capsules stored under the same namespace.
 """
 from __future__ import annotations
 
@@ -24,22 +26,22 @@ class Turns:
         drafts a round; every prefill then also writes the head's rows, so capsules carry them."""
         self.store, self.eos, self.fingerprint, self.reuse = store, set(eos), fingerprint, reuse
         self.pin_bytes, self.draft_tokens = pin_bytes, draft_tokens
-        self._pins: OrderedDict = OrderedDict()     # prefix tokens -> (store key, bytes), LRU
+        self._pins: OrderedDict = OrderedDict()     # (namespace, prefix) -> (store key, bytes), LRU
 
     def _pin(self, job, rt, mem) -> int:
         """The capsule of the prompt's first job.pin tokens, pinned; returns positions run."""
-        prefix = tuple(job.prompt[: job.pin])
+        prefix = (job.ns, tuple(job.prompt[: job.pin]))
         if prefix in self._pins and self._pins[prefix][0] in mem:
             self._pins.move_to_end(prefix)
             return 0
-        self._set_context(rt, list(prefix), mem, remember=False)
+        self._set_context(rt, list(prefix[1]), mem, remember=False)
         run = job.pin - rt.context_reused
         cap = rt.snapshot()
         size = cap.data.numel()
         while self._pins and sum(b for _, b in self._pins.values()) + size > self.pin_bytes:
             key, _ = self._pins.popitem(last=False)[1]
-            if key in mem:
-                mem.pin(key, False)
+            if key in self.store.mem:
+                self.store.mem.pin(key, False)
         if size > self.pin_bytes:
             warnings.warn(f"flashrt serve: a {job.pin}-token prefix ({size} B) exceeds the pinned "
                           f"capsule budget ({self.pin_bytes} B): not pinned")
@@ -54,17 +56,17 @@ class Turns:
         advance = rt.speculation().prefill if self.draft_tokens else None
         return rt.set_context(toks, store=mem, remember=remember, advance=advance)
 
-    def set_context(self, rt, toks) -> None:
-        """rt holds toks (restored, rolled back or prefilled from the memory store's capsules)."""
-        self._set_context(rt, list(toks), self.store.mem)
+    def set_context(self, rt, toks, ns: str = "") -> None:
+        """rt holds toks (restored, rolled back or prefilled from namespace ns's capsules)."""
+        self._set_context(rt, list(toks), self.store.view(ns))
 
-    def remember(self, rt, toks) -> None:
+    def remember(self, rt, toks, ns: str = "") -> None:
         """rt holds toks, and their capsule is stored as a turn end (memory, disk copy)."""
-        self.set_context(rt, toks)
-        self.store.remember_turn(rt)
+        self.set_context(rt, toks, ns)
+        self.store.remember_turn(rt, ns)
 
     def prefill(self, job) -> None:
-        rt, mem = job.choices[0].rt, self.store.mem
+        rt, mem = job.choices[0].rt, self.store.view(job.ns)
         computed = 0
         if not self.reuse:
             rt.reset()
@@ -209,6 +211,6 @@ class Turns:
             job.outcome = toks
         for c, k in zip(job.choices, kept):
             if self.reuse:
-                self.remember(rt, job.prompt + c.ids[:k])
+                self.remember(rt, job.prompt + c.ids[:k], job.ns)
         job.kept = kept
         return kept

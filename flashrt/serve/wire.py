@@ -26,6 +26,9 @@ UNSUPPORTED = MappingProxyType({
 # accepted and ignored: bookkeeping fields with no effect on generation
 IGNORED = frozenset({"user", "metadata", "store", "service_tier"})
 MAX_STOP = 4
+MAX_STOP_CHARS = 256      # per stop string (a partial match is held back, so it bounds the hold)
+MAX_SALT_CHARS = 256
+MAX_ECHO = 120            # characters of a refused value quoted back in an error message
 
 
 class APIError(Exception):
@@ -40,6 +43,27 @@ class APIError(Exception):
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param,
                           "code": self.code}}
+
+
+def check_text(text: str, param: str) -> str:
+    """text, or a 400 naming param when it holds a lone surrogate (valid JSON, no UTF-8)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise APIError(400, f"invalid {param}: a lone surrogate ({text[e.start]!r}) at character "
+                       f"{e.start} is not text", param=param, code="invalid_text") from None
+    return text
+
+
+def _salt(v):
+    if v is not None:
+        if not v or len(v) > MAX_SALT_CHARS:
+            raise ValueError(f"must be 1 to {MAX_SALT_CHARS} characters")
+        try:
+            v.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError("holds a lone surrogate: not text") from None
+    return v
 
 
 class StreamOptions(BaseModel):
@@ -63,6 +87,8 @@ class _Common(BaseModel):
     # flashrt extension: keep the capsule of this many leading prompt tokens (or, for chat,
     # "system": of the leading system messages) pinned in the store, never evicted
     pin_prefix: Union[int, Literal["system"], None] = None
+    # extension (as vLLM): reuse only prompts sent with the same salt (and API key)
+    cache_salt: str | None = None
 
     @field_validator("max_tokens")
     @classmethod
@@ -76,8 +102,16 @@ class _Common(BaseModel):
     def _stop(cls, v):
         stops = [v] if isinstance(v, str) else list(v or [])
         if len(stops) > MAX_STOP or any(not s for s in stops):
-            raise ValueError(f"up to {MAX_STOP} non-empty strings, got {stops!r}")
+            raise ValueError(f"up to {MAX_STOP} non-empty strings, got {_echo(stops)}")
+        long = [len(s) for s in stops if len(s) > MAX_STOP_CHARS]
+        if long:
+            raise ValueError(f"a stop string may hold up to {MAX_STOP_CHARS} characters, got one of {long[0]}")
         return stops
+
+    @field_validator("cache_salt")
+    @classmethod
+    def _cache_salt(cls, v):
+        return _salt(v)
 
     @model_validator(mode="after")
     def _stream_options(self):
@@ -105,7 +139,10 @@ class ChatMessage(BaseModel):
             bad = [p.get("type") for p in self.content if p.get("type") != "text"]
             if bad:
                 raise ValueError(f"content parts of type {bad} are not supported (text only)")
-            return "".join(str(p.get("text", "")) for p in self.content)
+            texts = [p.get("text", "") for p in self.content]
+            if not all(isinstance(t, str) for t in texts):
+                raise ValueError("a content part's text must be a string")
+            return "".join(texts)
         return self.content or ""
 
 
@@ -142,6 +179,12 @@ class SessionCreate(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
     model: str = ""
     prompt: Union[str, list[int], None] = None
+    cache_salt: str | None = None           # the session's turns reuse only under this salt
+
+    @field_validator("cache_salt")
+    @classmethod
+    def _cache_salt(cls, v):
+        return _salt(v)
 
 
 class RollbackRequest(BaseModel):
@@ -161,6 +204,15 @@ class NameRequest(BaseModel):
 
 class SaveRequest(NameRequest):
     overwrite: bool = False
+
+
+class LoadRequest(NameRequest):
+    cache_salt: str | None = None           # of the new session
+
+    @field_validator("cache_salt")
+    @classmethod
+    def _cache_salt(cls, v):
+        return _salt(v)
 
 
 class CancelRequest(BaseModel):
@@ -189,25 +241,39 @@ def parse(model_cls, body: bytes):
         data = json.loads(body)
     except ValueError as e:     # JSONDecodeError, UnicodeDecodeError, an int past Python's digit limit
         raise APIError(400, f"invalid JSON body: {e}", code="invalid_json") from None
+    except RecursionError:
+        raise APIError(400, "invalid JSON body: nested too deeply", code="invalid_json") from None
     if not isinstance(data, dict):
         raise APIError(400, f"the body must be a JSON object, got {type(data).__name__}")
     try:
         req = model_cls.model_validate(data)
+    except RecursionError:
+        raise APIError(400, "invalid body: nested too deeply", code="invalid_json") from None
     except ValidationError as e:
         first = e.errors()[0]
         loc = ".".join(str(x) for x in first["loc"])     # e.g. prompt.list[int].0 (a union branch)
-        raise APIError(400, f"invalid {loc or 'body'}: {first['msg']}"
-                       + (f" (got {first['input']!r})" if "input" in first and loc else ""),
-                       param=str(first["loc"][0]) if first["loc"] else None) from None
+        raise APIError(400, f"invalid {_echo(loc, 200) or 'body'}: {first['msg']}"
+                       + (f" (got {_echo(first['input'])})" if "input" in first and loc else ""),
+                       param=_echo(first["loc"][0], 200) if first["loc"] else None) from None
     extra = set(getattr(req, "model_extra", None) or {})
     bad = sorted(k for k in extra if k not in IGNORED
                  and not (k in UNSUPPORTED and data[k] in UNSUPPORTED[k]))
     if bad:
         known = [k for k in bad if k in UNSUPPORTED]
-        raise APIError(400, f"unsupported parameter(s): {', '.join(bad)}"
+        raise APIError(400, f"unsupported parameter(s): {_echo(', '.join(bad), 400)}"
                        + (" (not implemented by flashrt serve)" if known else " (unknown)"),
-                       param=bad[0], code="unsupported_parameter")
+                       param=_echo(bad[0], 200), code="unsupported_parameter")
     return req
+
+
+def _echo(v, limit: int = MAX_ECHO) -> str:
+    """A short printable rendering of a client's value for an error message: repr (so lone
+    surrogates and control characters are escaped), cut to `limit` characters."""
+    try:
+        r = v if isinstance(v, str) and v.isprintable() and v.isascii() else repr(v)
+    except RecursionError:
+        r = f"<{type(v).__name__} nested too deeply>"
+    return r if len(r) <= limit else r[:limit] + "..."
 
 
 def new_id(prefix: str) -> str:
