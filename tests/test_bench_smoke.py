@@ -111,3 +111,34 @@ def test_speculative_bench_quick(tmp_path):
             assert runs[f"wrong a=0 k={k} planes"]["stats"]["plane_rewinds"] > 0
             assert runs[f"wrong a=0 k={k} rerun"]["stats"]["reprefills"] > 0
             assert runs[f"wrong a=0 k={k} planes"]["stats"]["reprefills"] == 0
+
+
+def test_asr_bench_quick(tmp_path):
+    """bench/asr.py end to end on the tiny Nemotron checkpoint: transformers' streaming path on
+    the same weights gives flashrt's tokens (or parts at a near-tie), its streamed mel chunks are
+    its whole-utterance features, the wait arithmetic holds at every chunk phase (checked by
+    pushing), the endpoint fork flushes exactly the pending frames and leaves the live stream to
+    continue bitwise. Timings are recorded, not asserted."""
+    pytest.importorskip("transformers")
+    out = tmp_path / "asr.json"
+    r = subprocess.run([sys.executable, "bench/asr.py", "--quick", "--no-progress", "--out", str(out)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "random weights" in r.stdout
+    d = json.loads(out.read_text())["data"]
+    assert d["size"] == "tiny" and d["lookaheads"] == [0, 6]
+    for R, row in d["rtf"].items():
+        assert row["flashrt"]["median_ms"] > 0 and row["transformers"]["median_ms"] > 0, R
+        idn = row["identity"]
+        assert idn["frames"] == row["flashrt_out"]["frames"], R
+        assert idn["same_tokens"] or idn["top2_gap_at_diff"] <= 1e-3, (R, idn)
+        assert idn["streamed_mel_max_diff"] <= 1e-5, R
+    for R, ep in d["endpoint"].items():
+        assert len(ep["phases"]) == int(R) + 1 and ep["all_waits_verified"], R
+        for p in ep["phases"]:
+            assert p["fork_decoded_frames"] == p["pending_frames"], (R, p["pending_frames"])
+        assert ep["wait_R_frames_ms"] >= int(R) * 80
+    for R, x in d["next_utterance"].items():
+        assert x["fork_continues_bitwise"], R
+    cap = d["capsule"]
+    assert cap["same_size_everywhere"] and cap["bytes"] >= sum(cap["by_kind"].values()) > 0
