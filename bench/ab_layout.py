@@ -64,7 +64,9 @@ def main(argv=None) -> int:
         print(f"{case:48s} A {a:9.2f}  B {b:9.2f}  B/A {b / a:5.3f}")
     print("regressions (B median > 1.05 x A):", worse or "none")
     out = ROOT / "bench/results/ab-layout.json"
-    out.write_text(json.dumps({"trees": {k: str(v) for k, v in trees.items()}, "runs": got,
+    commit = {k: subprocess.run(["git", "-C", str(v), "rev-parse", "--short", "HEAD"], capture_output=True,
+                                text=True).stdout.strip() or "?" for k, v in trees.items()}
+    out.write_text(json.dumps({"trees": commit, "runs": got,
                                "table": table, "regressions": worse}, indent=1))
     print("wrote", out)
     return 0
