@@ -261,17 +261,28 @@ class HFStream:
         frames = torch.cumsum(dur, 0) - dur
         return [(int(t), int(fr)) for t, fr in zip(seq[1:], frames[1:])]
 
-    def identity(self, audio, R: int, fl_toks: list, fl_frames: list, fl_pos: int, max_symbols: int):
+    def identity(self, audio, R: int, fl_toks: list, fl_frames: list, fl_pos: int, max_symbols: int,
+                 fl_logits: list, fl_enc):
         """One untimed run with the joint's logits kept: tokens against flashrt's, and where the
-        step sequences first part, the reference's top-2 logit gap there (a near-tie or not)."""
+        step sequences first part, the reference's top-2 logit gap there against the largest
+        |logit difference| of the two over the steps before (a near-tie at float precision when
+        the gap is within it)."""
         import torch
-        logits, feats = [], []
-        hook = self.model.joint.register_forward_hook(
-            lambda m, i, o: logits.append(o.detach().float().reshape(-1, o.shape[-1]).cpu()))
+        logits, feats, enc = [], [], []
+        hooks = [self.model.joint.register_forward_hook(
+                     lambda m, i, o: logits.append(o.detach().float().reshape(-1, o.shape[-1]).cpu())),
+                 self.model.encoder_projector.register_forward_hook(
+                     lambda m, i, o: enc.append(o.detach().float().reshape(-1, o.shape[-1]).cpu()))]
         try:
             out = self.run(audio, R, feats)
         finally:
-            hook.remove()
+            for h in hooks:
+                h.remove()
+        enc_diff = None
+        if fl_enc is not None and enc:
+            e = torch.cat(enc)
+            n = min(e.shape[0], fl_enc.shape[0])
+            enc_diff = float((e[:n] - fl_enc[:n]).abs().max())
         steps = self.steps(out)
         z = torch.cat(logits[1:])                # the first joint call only encodes the first chunk
         toks = [t for t, _ in steps if t != self.blank]
@@ -289,6 +300,9 @@ class HFStream:
         if k is not None and k < z.shape[0]:
             top = z[k].topk(2).values
             gap = float(top[0] - top[1])
+        n = min(len(fl_logits), z.shape[0], len(steps) if k is None else k)
+        diff = float((torch.stack(fl_logits[:n]).cpu() - z[:n]).abs().max()) if n else None
+        scale = float(z[:n].abs().max()) if n else None
         whole = self.fe(audio.numpy(), sampling_rate=self.fe.sampling_rate,
                         return_tensors="pt")["input_features"]
         streamed = torch.cat(feats, dim=1)
@@ -298,7 +312,9 @@ class HFStream:
                 "same_tokens": toks == fl_toks, "first_diff_step": k,
                 "first_diff_frame": mine[k][1] if k is not None and k < len(mine) else None,
                 "equal_tokens_before_diff": sum(1 for s, _ in steps[:k] if s != self.blank) if k is not None
-                else len(toks), "top2_gap_at_diff": gap, "streamed_mel_max_diff": mel_diff}
+                else len(toks), "top2_gap_at_diff": gap, "max_logit_diff_before": diff,
+                "max_abs_logit_before": scale, "streamed_mel_max_diff": mel_diff,
+                "encoder_max_diff": enc_diff}
 
 
 # ---- sections ------------------------------------------------------------------------------------
@@ -306,21 +322,37 @@ def rtf_section(a, lm, hf, audio, sr, piece):
     """Every lookahead, flashrt and transformers side by side; identity pass first (warm-up)."""
     from collections import Counter
 
+    import torch
+
     from flashrt.speech import StreamingTranscriber
     net = lm.net
     secs = audio.shape[0] / sr
     trs = {R: StreamingTranscriber(lm, lookahead=R) for R in a.lookaheads}
     ident, fl_out = {}, {}
+    orig = net.decode
     for R in C.progress(a.lookaheads, desc="identity pass"):
         tr = trs[R]
         tr.reset()
-        toks, frames = push_all(tr, audio, piece)
+        fl_logits, fl_enc = [], []
+
+        def spy(encoded, ctx, state, keep_logits=False, fl_logits=fl_logits, fl_enc=fl_enc):
+            fl_enc.append(encoded.detach().float().cpu())
+            r = orig(encoded, ctx, state, keep_logits=True)
+            fl_logits.extend(r["logits"])
+            return r
+        net.decode = spy                          # the joint's logits of every step, this pass only
+        try:
+            toks, frames = push_all(tr, audio, piece)
+        finally:
+            del net.decode
         at_max = sum(1 for c in Counter(frames).values() if c >= net.config.max_symbols)
         fl_out[R] = {"tokens": len(toks), "frames": tr.position,
                      "symbols_per_frame": len(toks) / max(tr.position, 1),
                      "frames_at_max_symbols": at_max}
         if hf is not None:
-            ident[R] = hf.identity(audio, R, toks, frames, tr.position, net.config.max_symbols)
+            ident[R] = hf.identity(audio, R, toks, frames, tr.position, net.config.max_symbols, fl_logits,
+                                   torch.cat(fl_enc) if fl_enc else None)
+        del fl_logits, fl_enc
     cases = {}
     for R in a.lookaheads:
         tr = trs[R]
@@ -406,17 +438,20 @@ def endpoint_section(a, lm, trs, audio, sr, U):
 
 
 def next_utterance_section(a, lm, trs, audio, sr, U, piece):
-    """At the end of speech U: the fork guessed wrong (the speaker goes on): its compute wasted,
-    the live stream continues bitwise? The live stream flushed instead: restarted (reset) or its
-    left context recomputed; tokens of the rest of the audio against the untouched stream."""
+    """An endpoint just after the end of speech U, where the live chunk has all its R + 1 frames
+    pending (the most a fork computes): the fork guessed wrong (the speaker goes on): its compute
+    wasted, the live stream continues bitwise? The live stream flushed instead: restarted (reset)
+    or its left context recomputed; tokens of the rest of the audio against the untouched stream."""
     from flashrt.speech import StreamingTranscriber
     net, hop_f = lm.net, lm.net.frame_samples
-    rest = audio[U:]
     out = {}
     for R in C.progress(a.lookaheads, desc="next utterance"):
         tr, T = trs[R], R + 1
+        E = hop_f * ((U // hop_f) // T * T + T - 1) + 180         # as phase R + 1 of the endpoint cases
+        rest = audio[E:]
         tr.reset()
-        push_all(tr, audio[:U], piece)
+        push_all(tr, audio[:E], piece)
+        pending = final_frames(net, E) - tr.position
         cap = tr.snapshot()
         live, _ = push_all(tr, rest, piece)                       # the stream never interrupted
         live_bytes = state_bytes(tr)
@@ -430,19 +465,20 @@ def next_utterance_section(a, lm, trs, audio, sr, U, piece):
         restarted, _ = push_all(tr, rest, piece)
         # recompute: a fresh stream re-fed the last window of audio (window - 1 frames, from a
         # frame on the live stream's chunk grid), then the rest
-        s = max(0, (U // hop_f - (net.config.window - 1)) // T * T)
+        s = max(0, (E // hop_f - (net.config.window - 1)) // T * T)
         fresh = StreamingTranscriber(lm, lookahead=R)
 
         def recompute():
             fresh.reset()
-            push_all(fresh, audio[hop_f * s: U], piece)
+            push_all(fresh, audio[hop_f * s: E], piece)
         recompute()
         recomputed, _ = push_all(fresh, rest, piece)
         st = measure_alt({"fork": C.Case(tr.endpoint, setup=lambda: tr.restore(cap)),
                           "flush": C.Case(lambda: flush_live(tr), setup=lambda: tr.restore(cap)),
                           "recompute": C.Case(recompute)}, a.repeats, a.warmup, a.device)
         out[R] = {"fork": st["fork"], "flush": st["flush"], "recompute": st["recompute"],
-                  "recompute_audio_s": (U - hop_f * s) / sr, "recompute_from_frame": s,
+                  "recompute_audio_s": (E - hop_f * s) / sr, "recompute_from_frame": s,
+                  "endpoint_sample": E, "pending_frames": pending, "rest_seconds": rest.shape[0] / sr,
                   "fork_continues_bitwise": bitwise, "live_tokens": len(live),
                   "restarted_tokens": len(restarted), "restarted_edit": edit_distance(live, restarted),
                   "recomputed_tokens": len(recomputed),
@@ -484,7 +520,7 @@ def _by_kind(tr) -> dict:
 
 
 # ---- report --------------------------------------------------------------------------------------
-def tables(a, rtf, ep, nxt, capsule, secs, U, sr, params, hf_version, load_note, max_sym):
+def tables(a, rtf, ep, nxt, capsule, secs, U, sr, params, hf_version, load_note, max_sym):  # noqa: C901
     ms = lambda x: f"{x:.1f}"  # noqa: E731
     acc = C.Table(f"Acceptance (issue): lookahead {ACCEPT_R}, {a.threads} threads, {a.dtype}, {a.size} shape",
                   ["line", "target", "measured", "holds"])
@@ -503,6 +539,16 @@ def tables(a, rtf, ep, nxt, capsule, secs, U, sr, params, hf_version, load_note,
         acc.add("same, waiting only as long as the chunk phase needs (avg over end positions)",
                 "(not the issue's line)", f"{e['ratio_avg_phase']:.2f}x ({ms(e['wait_avg_phase_ms'])} / "
                 f"{ms(e['fork_avg_ms'])} ms)", "yes" if e["ratio_avg_phase"] >= ACCEPT_FORK else "no")
+    if ACCEPT_R in rtf and rtf[ACCEPT_R]["identity"] and not rtf[ACCEPT_R]["identity"]["same_tokens"]:
+        r = rtf[ACCEPT_R]
+        same = [f"R={R2}: {C.fmt_ratio(x['ratio'])}" for R2, x in rtf.items()
+                if x["identity"] and x["identity"]["same_tokens"]]
+        acc.notes.append(f"at lookahead {ACCEPT_R} the greedy paths part at a near-tie (frame "
+                         f"{r['identity']['first_diff_frame']}; next table): transformers decodes "
+                         f"{r['identity']['tokens']} symbols to flashrt's {r['flashrt_out']['tokens']}, "
+                         "so the decode work differs"
+                         + (f"; where every token agrees, flashrt/transformers is {', '.join(same)}"
+                            if same else ""))
     acc.notes += [C.RANDOM_NOTE + f"; {params / 1e6:.1f}M parameters",
                   f"measured on a shared {os.cpu_count()}-core machine while other jobs ran (load "
                   f"average {load_note}); the systems alternate round by round, so compare ratios "
@@ -521,10 +567,10 @@ def tables(a, rtf, ep, nxt, capsule, secs, U, sr, params, hf_version, load_note,
             if idn["same_tokens"]:
                 same = "yes"
             else:
-                gap = idn["top2_gap_at_diff"]
-                same = (f"first {idn['equal_tokens_before_diff']}; parted at frame "
-                        f"{idn['first_diff_frame']} (tf top-2 gap {gap:.1e})" if gap is not None
-                        else f"first {idn['equal_tokens_before_diff']}")
+                gap, d = idn["top2_gap_at_diff"], idn["max_logit_diff_before"]
+                same = f"first {idn['equal_tokens_before_diff']} (to frame {idn['first_diff_frame']})"
+                if gap is not None and d is not None:
+                    same += f"; gap {gap:.1e} vs diff {d:.1e}"
         t.add(R, (R + 1) * 80, r["flashrt"].ms(0), f"{r['flashrt_rtf']:.3f}", h.ms(0) if h else "-",
               f"{r['transformers_rtf']:.3f}" if h else "-", C.fmt_ratio(r["ratio"]), fo["frames"],
               f"{fo['tokens']}/{idn['tokens'] if idn else '-'}",
@@ -545,13 +591,23 @@ def tables(a, rtf, ep, nxt, capsule, secs, U, sr, params, hf_version, load_note,
                 + ", ".join(f"R={R} {r['flashrt_out']['frames_at_max_symbols']}/{r['flashrt_out']['frames']}"
                             for R, r in rtf.items()) + " (a trained model emits far fewer: speech carries a few subword tokens a second, "
                 "12.5 frames)",
-                "same tokens: where the greedy paths part, transformers' top-2 logit gap at that step "
-                "(a near-tie: float32 sums in another order pick the other token; from there the two "
-                "decode different symbol sequences, and so different amounts of decode work)"]
+                "same tokens: else how many agree before the greedy paths part; gap = transformers' "
+                "top-2 logit gap at that step, diff = the largest |logit difference| of the two over "
+                "every step before it (gap <= diff: a tie at the precision the two reach; float32 "
+                "sums in another order pick the other token). From there the two decode different "
+                "symbol sequences, and so different amounts of decode work"]
     if first["identity"]:
+        t.notes.append("encoder outputs (projected, every frame) flashrt against transformers: max |diff| "
+                       + ", ".join(f"R={R}: {r['identity']['encoder_max_diff']:.1e}" for R, r in rtf.items()
+                                   if r["identity"]["encoder_max_diff"] is not None)
+                       + " (larger logit differences come from the decoder side: the prediction "
+                       "network carries them from token to token)")
         t.notes.append("transformers' streamed mel chunks against its whole-utterance features: max |diff| "
                        + ", ".join(f"R={R}: {r['identity']['streamed_mel_max_diff']:.1e}"
-                                   for R, r in rtf.items()))
+                                   for R, r in rtf.items())
+                       + "; largest |joint logit| over the compared steps: "
+                       + ", ".join(f"R={R}: {r['identity']['max_abs_logit_before']:.1f}" for R, r in rtf.items()
+                                   if r["identity"]["max_abs_logit_before"] is not None))
 
     e = C.Table(f"End of speech to final transcript ({a.device}, {a.dtype}, {a.threads} threads; ms)",
                 ["lookahead", "endpoint fork (avg [min-max] of phases)", "flush live stream",
@@ -578,7 +634,12 @@ def tables(a, rtf, ep, nxt, capsule, secs, U, sr, params, hf_version, load_note,
                 f"arithmetic was checked at every phase by pushing one sample less and then one more: "
                 f"{'ok' if verified else 'MISMATCH'}",
                 "an endpoint detector's own delay (e.g. a VAD's silence hangover) comes on top of all "
-                "three; the fork gains most when the decision comes early"]
+                "three; the fork gains most when the decision comes early",
+                "chunk compute by lookahead (frames per step = R + 1): "
+                + ", ".join(f"R={R}: {x['chunk_compute_ms']:.0f} ms" for R, x in ep.items())
+                + "; the fork flushes its 1..R + 1 pending frames in one step, so what it saves is "
+                "the audio wait, not compute: with all R + 1 frames pending the wait is that chunk's "
+                "compute alone"]
 
     if ACCEPT_R in ep:
         x = ep[ACCEPT_R]
@@ -595,19 +656,23 @@ def tables(a, rtf, ep, nxt, capsule, secs, U, sr, params, hf_version, load_note,
     else:
         ph = None
 
-    nu = C.Table(f"A wrong endpoint guess and the next utterance (end of speech at {U / sr:.2f} s, "
-                 f"{(secs - U / sr):.2f} s of audio after it)",
-                 ["lookahead", "fork wasted ms", "live continues bitwise", "flush live ms",
+    nu = C.Table(f"A wrong endpoint guess and the next utterance (endpoint just after the end of "
+                 f"speech at {U / sr:.2f} s, all R + 1 frames of the live chunk pending)",
+                 ["lookahead", "fork wasted ms (avg phase)", "live continues bitwise", "flush live ms",
                   "restarted: tokens / edit distance", "recompute ms (audio s)",
                   "recomputed: tokens / edit distance", "live tokens"])
     for R, x in nxt.items():
-        nu.add(R, x["fork"].ms(), "yes" if x["fork_continues_bitwise"] else "NO", x["flush"].ms(),
+        avg = f" ({ep[R]['fork_avg_ms']:.1f})" if R in ep else ""
+        nu.add(R, x["fork"].ms() + avg, "yes" if x["fork_continues_bitwise"] else "NO", x["flush"].ms(),
                f"{x['restarted_tokens']} / {x['restarted_edit']}",
                f"{x['recompute'].ms(0)} ({x['recompute_audio_s']:.2f})",
                f"{x['recomputed_tokens']} / {x['recomputed_edit']}", x["live_tokens"])
-    nu.notes += ["fork wasted: endpoint() at the end of speech when the speaker goes on: its compute "
-                 "is all that is lost; the live stream's later tokens and state bytes equal those "
-                 "of a stream never forked",
+    x0 = next(iter(nxt.values()))
+    nu.notes += [f"endpoint at the phase where the fork flushes the most (R + 1 frames); the rest of "
+                 f"the audio after it: {x0['rest_seconds']:.2f} s (a pause, then the next utterance)",
+                 "fork wasted: endpoint() when the speaker goes on: its compute is all that is lost "
+                 "(in brackets: averaged over the chunk phases, from the end-of-speech table); the "
+                 "live stream's later tokens and state bytes equal those of a stream never forked",
                  "flush live, then: restarted = reset() and the rest of the audio from a fresh "
                  "stream (no left context, no decoder state); recompute = a fresh stream fed again "
                  "the last window of audio (attention left context, window - 1 frames, from a "

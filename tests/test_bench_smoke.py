@@ -131,7 +131,7 @@ def test_asr_bench_quick(tmp_path):
         assert row["flashrt"]["median_ms"] > 0 and row["transformers"]["median_ms"] > 0, R
         idn = row["identity"]
         assert idn["frames"] == row["flashrt_out"]["frames"], R
-        assert idn["same_tokens"] or idn["top2_gap_at_diff"] <= 1e-3, (R, idn)
+        assert idn["same_tokens"] or idn["top2_gap_at_diff"] <= max(1e-3, idn["max_logit_diff_before"]), (R, idn)
         assert idn["streamed_mel_max_diff"] <= 1e-5, R
     for R, ep in d["endpoint"].items():
         assert len(ep["phases"]) == int(R) + 1 and ep["all_waits_verified"], R
