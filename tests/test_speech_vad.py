@@ -252,8 +252,10 @@ def test_save_load_and_store_round_trip(net, tmp_path):
     key = memory.put(cap, key="mid")
     assert disk.put(cap, key="mid") == key and disk.tier(key) == "disk"
     reopened = CapsuleStore(disk_dir=tmp_path / "store")       # from its files alone
+    live.restore(cap)
+    live.save(tmp_path / "own.capsule")                         # the layer's own save / load
     for restore in (lambda v: v.restore(loaded), lambda v: memory.restore_into(v, key),
-                    lambda v: reopened.restore_into(v, key)):
+                    lambda v: reopened.restore_into(v, key), lambda v: v.load(tmp_path / "own.capsule")):
         vad = VoiceActivity(net)
         restore(vad)
         got = push_split(vad, pcm[MID:], seed=16)

@@ -6,6 +6,7 @@ import threading
 import torch
 
 from flashrt.capsules.types import Capsule
+from flashrt.core.layer import SessionLayer
 from flashrt.core.rng import seed_rng
 from flashrt.core.session import Session, SessionOptions
 from flashrt.models.loader import fingerprint as model_fingerprint
@@ -21,8 +22,10 @@ def _check_tensor(what: str, t, shape: tuple) -> None:
         raise ValueError(f"{what}: has non-finite values (NaN or inf)")
 
 
-class Policy:
+class Policy(SessionLayer):
     """A policy session (batch 1) over a PolicyModel's weights; forks share the weights.
+    State (what a capsule holds): prefix rows, queue and index, step counter, noise RNG; reset()
+    empties all but the noise stream (restore a capsule of the initial state to replay exactly).
     fingerprint: the loader's when loaded from disk (so capsules fit any load of those files);
     default: flashrt.models.loader.fingerprint of the parameters as they are."""
 
@@ -41,10 +44,6 @@ class Policy:
         self.seed(seed)
 
     position = property(lambda self: self.session.position)
-    fingerprint = property(lambda self: self.session.fingerprint)
-
-    def layout(self) -> str:
-        return self.arena.table()
 
     @property
     def queue_length(self) -> int:
@@ -116,28 +115,7 @@ class Policy:
         with self._lock, torch.no_grad():
             seed_rng(self.arena["noise.rng"], seed)
 
-    def reset(self) -> None:
-        """A new episode: queue, step counter and prefix emptied; the noise stream continues.
-        For an episode that replays exactly, restore a capsule of the initial state instead."""
-        with self._lock:
-            self.session.reset()
-
     # ---- capsules -------------------------------------------------------------------------
-    def snapshot(self, into: Capsule | None = None, single_use: bool = False) -> Capsule:
-        """Copy the whole state: prefix rows, queue and index, step counter, noise RNG."""
-        with self._lock:
-            return self.session.snapshot(into, single_use)
-
-    def restore(self, cap: Capsule, on_validated=None) -> None:
-        """Make the state the capsule's; refused, state untouched, unless it fits (model,
-        config, weights, dtype, layout). on_validated: see Session.restore (the store's claim)."""
-        with self._lock:
-            self.session.restore(cap, on_validated=on_validated)
-
-    def empty_capsule(self) -> Capsule:
-        """A preallocated capsule buffer for snapshot(into=)."""
-        return self.session.empty_capsule()
-
     def fork(self, cap: Capsule | None = None, seed: int | None = None) -> "Policy":
         """An independent policy over the same weights, from `cap` or the live state; seed
         restarts its noise stream (the queued actions it inherited stay as they are)."""

@@ -17,12 +17,14 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from flashrt.capsules import load_capsule, save_capsule
 from flashrt.capsules.types import Capsule
+from flashrt.core.layer import SessionLayer
 from flashrt.core.session import Session, SessionOptions
 from flashrt.models.loader import LoadedModel, load_model
 from flashrt.models.loader import fingerprint as model_fingerprint
 from flashrt.models.protocol import TranscriberModel
+
+from .pcm import mono_samples
 
 _MAX_FRAMES = 1 << 62      # one session position per encoder frame; no per-token rows, no real bound
 
@@ -64,12 +66,13 @@ def load_transcriber(path, lookahead: int | None = None, device="cpu", dtype=Non
     return StreamingTranscriber(load_model(path, device, dtype, linear_kernel), lookahead)
 
 
-class StreamingTranscriber:
+class StreamingTranscriber(SessionLayer):
     """One audio stream (batch 1) over a TranscriberModel's weights; forks share the weights.
     model: a LoadedModel (its fingerprint and tokenizer used) or the net itself (fingerprint
     default: flashrt.models.loader.fingerprint of the parameters as they are). lookahead: the
     right context in encoder frames, one of the model's (default its first): latency
-    (lookahead + 1) frames."""
+    (lookahead + 1) frames. State (what a capsule holds): pending samples, encoder windows,
+    decoder, counters; a restore keeps this transcriber's lookahead."""
 
     def __init__(self, model, lookahead: int | None = None, tokenizer=None,
                  fingerprint: dict | None = None, provenance: dict | None = None):
@@ -100,47 +103,20 @@ class StreamingTranscriber:
                               checkpoint_every=_MAX_FRAMES + 1, max_checkpoints=1)
         return Session(self.net, [], self.device, self.dtype, self._fp, opts, self._prov)
 
-    fingerprint = property(lambda self: self.session.fingerprint)
     position = property(lambda self: self.session.position, doc="Encoder frames decoded.")
     pending = property(lambda self: self.net.pending_samples(self.arena),
                        doc="Samples pushed but not yet encoded (below one chunk).")
     latency_ms = property(lambda self: round((self.lookahead + 1) * self.frame_seconds * 1000),
                           doc="Audio a chunk waits for: its lookahead + 1 frames.")
 
-    def layout(self) -> str:
-        return self.arena.table()
-
     # ---- input ----------------------------------------------------------------------------
-    def _samples(self, pcm, sample_rate) -> torch.Tensor:
-        """pcm as 1-D float32 on the arena's device; every refusal happens here, before any write."""
-        if isinstance(sample_rate, bool) or not isinstance(sample_rate, (int, np.integer)) \
-                or sample_rate != self.sample_rate:
-            raise ValueError(f"sample_rate {sample_rate!r}: this model takes {self.sample_rate} Hz "
-                             "PCM (resample first)")
-        if isinstance(pcm, np.ndarray):         # np.frombuffer(frame, np.int16) is read-only
-            pcm = torch.from_numpy(pcm if pcm.flags.writeable else pcm.copy())
-        if not isinstance(pcm, torch.Tensor):
-            raise ValueError(f"pcm: expected a 1-D torch.Tensor or numpy array of float32 or int16 "
-                             f"samples, got {type(pcm).__name__}")
-        if pcm.dim() != 1:
-            raise ValueError(f"pcm: expected 1-D mono samples (n,), got shape {tuple(pcm.shape)} "
-                             "(pass one channel)")
-        if pcm.dtype == torch.int16:
-            return pcm.to(self.device).float() / 32768.0
-        if pcm.dtype != torch.float32:
-            raise ValueError(f"pcm: expected float32 samples in [-1, 1] or int16 samples, got {pcm.dtype}")
-        x = pcm.to(self.device)
-        if not bool(torch.isfinite(x).all()):
-            raise ValueError("pcm: has non-finite samples (NaN or inf)")
-        return x
-
     # ---- stepping -----------------------------------------------------------------------
     @torch.no_grad()
     def push(self, pcm, sample_rate: int = 16000) -> Transcript:
         """Take PCM of any length (1-D float32 in [-1, 1] or int16, at sample_rate): decode every
         chunk it completes, keep the rest in the arena; the tokens those chunks emitted."""
         with self._lock:
-            x = self._samples(pcm, sample_rate)
+            x = mono_samples(pcm, sample_rate, self.sample_rate, self.device)
             before, toks, frames, i = self._last(), [], [], 0
             while True:
                 i += self.net.accept_audio(x[i:], self.arena)
@@ -191,35 +167,7 @@ class StreamingTranscriber:
         head, full = tok.decode([before]), tok.decode([before] + toks)
         return full[len(head):] if full.startswith(head) else tok.decode(toks)
 
-    def reset(self) -> None:
-        """A new stream at sample 0: every buffer zeroed (pending audio, caches, decoder)."""
-        with self._lock:
-            self.session.reset()
-
     # ---- capsules -------------------------------------------------------------------------
-    def snapshot(self, into: Capsule | None = None, single_use: bool = False) -> Capsule:
-        """Copy the whole state: pending samples, encoder windows, decoder, counters."""
-        with self._lock:
-            return self.session.snapshot(into, single_use)
-
-    def restore(self, cap: Capsule, on_validated=None) -> None:
-        """Make the state the capsule's; refused, state untouched, unless it fits (model, config,
-        weights, dtype, layout). The lookahead stays this transcriber's."""
-        with self._lock:
-            self.session.restore(cap, on_validated=on_validated)
-
-    def empty_capsule(self) -> Capsule:
-        """A preallocated capsule buffer for snapshot(into=)."""
-        return self.session.empty_capsule()
-
-    def save(self, path) -> None:
-        """Write the state to a capsule file (flashrt.capsules.save_capsule, atomic)."""
-        save_capsule(self.snapshot(), path)
-
-    def load(self, path) -> None:
-        """Restore the state from a capsule file; refused, state untouched, unless it fits."""
-        self.restore(load_capsule(path, device=str(self.device)))
-
     def fork(self, cap: Capsule | None = None, lookahead: int | None = None) -> "StreamingTranscriber":
         """An independent stream over the same weights, from `cap` or the live state; lookahead
         defaults to this stream's."""

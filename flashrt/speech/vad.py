@@ -21,9 +21,12 @@ import torch
 
 from flashrt.capsules.types import Capsule
 from flashrt.core.arena import BufferSpec
+from flashrt.core.layer import SessionLayer
 from flashrt.core.session import Session, SessionOptions
 from flashrt.models.loader import fingerprint as model_fingerprint
 from flashrt.models.protocol import VadModel
+
+from .pcm import mono_samples
 
 _MAX_CHUNKS = 1 << 62      # one session position per chunk; no per-token rows, so no real bound
 _SEGMENTER = ("vad.triggered", "vad.confirmed", "vad.start", "vad.temp_end")
@@ -97,8 +100,9 @@ def check_vad_model(net) -> None:
         raise ValueError(f"{name} declares no 'pcm' input (see flashrt.models.protocol.VadModel)")
 
 
-class VoiceActivity:
+class VoiceActivity(SessionLayer):
     """A voice activity stream (batch 1) over a VadModel's weights; forks share the weights.
+    State (what a capsule holds): LSTM, context, pending samples, counters and segmenter.
     net None: the installed silero-vad package's model on CPU (flashrt[speech]).
     fingerprint default: flashrt.models.loader.fingerprint of the parameters as they are."""
 
@@ -127,7 +131,6 @@ class VoiceActivity:
         self.arena = self.session.arena
         self._lock = threading.RLock()
 
-    fingerprint = property(lambda self: self.session.fingerprint)
     chunks = property(lambda self: self.session.position, doc="Chunks run since the stream start.")
     samples = property(lambda self: int(self.arena["audio.samples"]), doc="Samples pushed.")
     pending = property(lambda self: int(self.arena["audio.pending_len"]),
@@ -138,40 +141,14 @@ class VoiceActivity:
         """Inside a confirmed speech segment (a SpeechStart was emitted, no SpeechEnd yet)."""
         return bool(int(self.arena["vad.confirmed"]))
 
-    def layout(self) -> str:
-        return self.arena.table()
-
     # ---- input ----------------------------------------------------------------------------
-    def _samples(self, pcm, sample_rate) -> torch.Tensor:
-        """pcm as 1-D float32 on the arena's device; every refusal happens here, before any write."""
-        if isinstance(sample_rate, bool) or not isinstance(sample_rate, (int, np.integer)) \
-                or sample_rate != self.sample_rate:
-            raise ValueError(f"sample_rate {sample_rate!r}: this model takes {self.sample_rate} Hz "
-                             "PCM (resample first)")
-        if isinstance(pcm, np.ndarray):         # np.frombuffer(frame, np.int16) is read-only
-            pcm = torch.from_numpy(pcm if pcm.flags.writeable else pcm.copy())
-        if not isinstance(pcm, torch.Tensor):
-            raise ValueError(f"pcm: expected a 1-D torch.Tensor or numpy array of float32 or int16 "
-                             f"samples, got {type(pcm).__name__}")
-        if pcm.dim() != 1:
-            raise ValueError(f"pcm: expected 1-D mono samples (n,), got shape {tuple(pcm.shape)} "
-                             "(pass one channel)")
-        if pcm.dtype == torch.int16:
-            return pcm.to(self.device).float() / 32768.0
-        if pcm.dtype != torch.float32:
-            raise ValueError(f"pcm: expected float32 samples in [-1, 1] or int16 samples, got {pcm.dtype}")
-        x = pcm.to(self.device)
-        if not bool(torch.isfinite(x).all()):
-            raise ValueError("pcm: has non-finite samples (NaN or inf)")
-        return x
-
     # ---- stepping -----------------------------------------------------------------------
     @torch.no_grad()
     def push(self, pcm, sample_rate: int = 16000) -> VadResult:
         """Take PCM of any length (1-D float32 in [-1, 1] or int16, at sample_rate): run every
         chunk it completes, keep the rest in the arena; the events those chunks decided."""
         with self._lock:
-            x = self._samples(pcm, sample_rate)
+            x = mono_samples(pcm, sample_rate, self.sample_rate, self.device)
             return self._run(x, x.numel())
 
     @torch.no_grad()
@@ -241,27 +218,7 @@ class VoiceActivity:
             a[n].fill_(v)
         return tuple(out)
 
-    def reset(self) -> None:
-        """A new stream at sample 0: LSTM state, context, pending samples and segmenter zeroed."""
-        with self._lock:
-            self.session.reset()
-
     # ---- capsules -------------------------------------------------------------------------
-    def snapshot(self, into: Capsule | None = None, single_use: bool = False) -> Capsule:
-        """Copy the whole state: LSTM, context, pending samples, counters and segmenter."""
-        with self._lock:
-            return self.session.snapshot(into, single_use)
-
-    def restore(self, cap: Capsule, on_validated=None) -> None:
-        """Make the state the capsule's; refused, state untouched, unless it fits (model, config,
-        weights, dtype, layout). on_validated: see Session.restore (a store's claim)."""
-        with self._lock:
-            self.session.restore(cap, on_validated=on_validated)
-
-    def empty_capsule(self) -> Capsule:
-        """A preallocated capsule buffer for snapshot(into=)."""
-        return self.session.empty_capsule()
-
     def fork(self, cap: Capsule | None = None, rules: VadRules | None = None) -> "VoiceActivity":
         """An independent stream over the same weights, from `cap` or the live state; rules
         default to this stream's."""
