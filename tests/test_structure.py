@@ -26,12 +26,14 @@ RULES = {
     "lm": {"core", "models", "capsules"},
     "policy": {"core", "models", "capsules"},
     "speech": {"core", "models", "capsules"},
-    "serve": {"lm", "capsules", "speech"},
+    "chat": set(),
+    "voice": {"lm", "speech", "chat", "capsules"},
+    "serve": {"lm", "capsules", "speech", "chat", "voice"},
     "dev": {"*"},
     "cli": {"lm", "serve", "dev", "models", "native"},
 }
 ALWAYS = {"errors", "version"}
-FACES_ONLY = {"serve": {"lm", "speech"}}   # serve reaches lm and speech through their faces, not modules
+FACES_ONLY = {"serve": {"lm", "speech", "voice"}, "voice": {"lm", "speech"}}   # through faces, not modules
 
 
 def _sources():

@@ -72,6 +72,29 @@ _OVERRIDES = {
 # The vision tower only has to exist (released layout) and load; keep it minimal.
 _SMALL_VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2)
 
+# make_checkpoint(chat=True): a byte-level tokenizer (id i < 256 is byte i) plus each family's
+# added tokens, in the released order from id 256, with the released chat template. Per arch:
+# (template in flashrt/assets/chat_templates, released id of the first added token, the added
+# tokens as (text, special), named special tokens, the end-of-turn tokens generation stops at).
+CHAT_TEMPLATES = pathlib.Path(__file__).resolve().parents[1] / "assets" / "chat_templates"
+_QWEN_TOKENS = tuple((t, True) for t in (
+    "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>",
+    "<|box_start|>", "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>",
+    "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>")) + tuple((t, False) for t in (
+    "<tool_call>", "</tool_call>", "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>",
+    "<|repo_name|>", "<|file_sep|>", "<tool_response>", "</tool_response>", "<think>", "</think>"))
+CHAT_TOKENIZERS = {
+    "qwen3": ("qwen3-0.6b.jinja", 151643, _QWEN_TOKENS,
+              {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}, ("<|im_end|>", "<|endoftext|>")),
+    "qwen3_5": ("qwen3_5-0.8b.jinja", 248044, _QWEN_TOKENS,
+                {"eos_token": "<|im_end|>", "pad_token": "<|vision_pad|>"}, ("<|im_end|>", "<|endoftext|>")),
+    "lfm2": ("lfm2-350m.jinja", 0, tuple((t, True) for t in (
+        "<|pad|>", "<|startoftext|>", "<|endoftext|>", "<|fim_pre|>", "<|fim_mid|>", "<|fim_suf|>",
+        "<|im_start|>", "<|im_end|>", "<|tool_list_start|>", "<|tool_list_end|>", "<|tool_call_start|>",
+        "<|tool_call_end|>", "<|tool_response_start|>", "<|tool_response_end|>")),
+        {"bos_token": "<|startoftext|>", "eos_token": "<|im_end|>", "pad_token": "<|pad|>"}, ("<|im_end|>",)),
+}
+
 
 def _norm_arch_size(arch: str, size: str) -> tuple[str, str]:
     if arch not in ARCHS:
@@ -238,12 +261,17 @@ def _write_safetensors(tensors: dict, out: pathlib.Path, max_shard_bytes: int) -
 
 def make_checkpoint(arch: str, size: str, out_dir, seed: int = 0, dtype: str | None = None,
                     layout: str | None = None, max_shard_bytes: int = 2 * 2**30,
-                    mtp: bool = True) -> pathlib.Path:
+                    mtp: bool = True, chat: bool = False) -> pathlib.Path:
     """Write a random-weight checkpoint (config.json, model.safetensors or shards
     + index, generation_config.json, flashrt_checkpoint.json) to out_dir.
+    chat: also tokenizer.json + tokenizer_config.json (write_chat_tokenizer: the released chat
+    template, its tags single tokens), with the config's token ids pointing at those tokens;
+    the weights are the same as without it.
     arch "smolvla": a LeRobot policy directory instead (models/smolvla_checkpoint.py);
     "pocket_tts": models/pocket_tts_checkpoint.py (sizes tiny, real); "nemotron_asr_streaming":
     models/nemotron_checkpoint.py (sizes tiny, real)."""
+    if chat and arch not in CHAT_TOKENIZERS:
+        raise ValueError(f"chat=True: no chat tokenizer for {arch!r}; one of {sorted(CHAT_TOKENIZERS)}")
     if arch == "smolvla":
         from .smolvla_checkpoint import make_smolvla
         return make_smolvla(str(size).lower(), out_dir, seed, dtype or "float32")
@@ -282,6 +310,8 @@ def make_checkpoint(arch: str, size: str, out_dir, seed: int = 0, dtype: str | N
     (out / "config.json").write_text(json.dumps(cj, indent=2, sort_keys=True) + "\n")
     gen = {"bos_token_id": text.bos_token_id, "eos_token_id": text.eos_token_id,
            "pad_token_id": getattr(text, "pad_token_id", None)}
+    if chat:
+        gen = _chat_token_ids(arch, out, write_chat_tokenizer(arch, out))
     (out / "generation_config.json").write_text(
         json.dumps({k: v for k, v in gen.items() if v is not None}, indent=2) + "\n")
     real_vocab = _real_json(arch).get("text_config", _real_json(arch))["vocab_size"]
@@ -293,9 +323,60 @@ def make_checkpoint(arch: str, size: str, out_dir, seed: int = 0, dtype: str | N
             "dtype": str(cfg.dtype).removeprefix("torch."), "mtp": bool(arch == "qwen3_5" and mtp),
             "random_weights": True,
             "vocab_reduced_from": real_vocab if text.vocab_size != real_vocab else None,
-            "note": note}
+            "note": note, **({"chat_tokenizer": True} if chat else {})}
     (out / "flashrt_checkpoint.json").write_text(json.dumps(meta, indent=2) + "\n")
     return out
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character map, which byte-level BPE vocabularies are written in."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), 256)]
+    extra = iter(range(256, 512))
+    return {b: chr(b if b in keep else next(extra)) for b in range(256)}
+
+
+def write_chat_tokenizer(arch: str, out_dir) -> dict[str, int]:
+    """tokenizer.json (byte-level: id i < 256 is byte i, then the family's added tokens, each one
+    token) and tokenizer_config.json with the released chat template, in out_dir. Returns
+    {added token: id}. Fits any vocab_size >= 256 + the added tokens (tiny: 512)."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    name, _, added, named, _ = CHAT_TOKENIZERS[arch]
+    tok = Tokenizer(models.BPE(vocab={c: b for b, c in _bytes_to_unicode().items()}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_tokens([AddedToken(t, special=special, normalized=False) for t, special in added])
+    out = pathlib.Path(out_dir)
+    tok.save(str(out / "tokenizer.json"))
+    ids = {t: 256 + k for k, (t, _) in enumerate(added)}
+    cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False,
+           "model_max_length": 1 << 20, "bos_token": None, "unk_token": None, **named,
+           "added_tokens_decoder": {str(ids[t]): {"content": t, "lstrip": False, "normalized": False,
+                                                  "rstrip": False, "single_word": False, "special": special}
+                                    for t, special in added},
+           "chat_template": (CHAT_TEMPLATES / name).read_text(encoding="utf-8")}
+    (out / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2, ensure_ascii=False) + "\n")
+    return ids
+
+
+def _chat_token_ids(arch: str, out: pathlib.Path, ids: dict[str, int]) -> dict:
+    """Point config.json's token ids (released ids of added tokens) at the chat tokenizer's ids;
+    returns the generation config (eos: the family's end-of-turn tokens)."""
+    _, first, added, _, stops = CHAT_TOKENIZERS[arch]
+    real, cj = _real_json(arch), json.loads((out / "config.json").read_text())
+    real_text = real.get("text_config", real)
+    pairs = ([(cj["text_config"], real_text), (cj, real)] if "text_config" in cj
+             else [(cj, {**real, **real_text})])
+    for have, was in pairs:
+        for k in [k for k in have if k.endswith("_token_id")]:
+            # Qwen3.5's text config has no bos; build_config makes it the eos, as Qwen's is
+            r = was.get(k, was.get("eos_token_id") if k == "bos_token_id" else None)
+            if isinstance(r, int) and 0 <= r - first < len(added):
+                have[k] = ids[added[r - first][0]]
+    (out / "config.json").write_text(json.dumps(cj, indent=2, sort_keys=True) + "\n")
+    text = cj.get("text_config", cj)
+    return {"bos_token_id": text.get("bos_token_id"), "eos_token_id": [ids[t] for t in stops],
+            "pad_token_id": text.get("pad_token_id")}
 
 
 def default_checkpoint(arch: str = "qwen3_5", size: str = "tiny", cache_dir=None) -> pathlib.Path:
@@ -332,9 +413,11 @@ def main(argv=None) -> int:
     p.add_argument("--layout", choices=LAYOUTS, help="qwen3_5 only (default multimodal)")
     p.add_argument("--no-mtp", action="store_true", help="qwen3_5: omit the mtp.* weights")
     p.add_argument("--max-shard-bytes", type=int, default=2 * 2**30)
+    p.add_argument("--chat", action="store_true",
+                   help="also a byte-level tokenizer with the released chat template and its tags")
     a = p.parse_args(argv)
     out = make_checkpoint(a.arch, a.size, a.out_dir, seed=a.seed, dtype=a.dtype, layout=a.layout,
-                          max_shard_bytes=a.max_shard_bytes, mtp=not a.no_mtp)
+                          max_shard_bytes=a.max_shard_bytes, mtp=not a.no_mtp, chat=a.chat)
     print(f"wrote {a.arch}/{a.size} checkpoint to {out} (random weights: output is meaningless)")
     return 0
 
