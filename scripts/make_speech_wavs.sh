@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Makes the real-speech test audio in tests/data/speech/ (16 kHz mono 16-bit WAV, read by
-# tests/test_speech_vad.py with Python's wave module): espeak-ng speaks, sox resamples, adds
+# tests/test_speech_vad.py and tests/test_voice_agent.py with Python's wave module, and the
+# voice_*.wav user turns by examples/voice_agent.py): espeak-ng speaks, sox resamples, adds
 # quiet noise in repeatable mode (-R: same bytes each run) and joins the pieces with silences.
 # Needs Debian's espeak-ng and sox (apt-get install -y espeak-ng sox). Output is committed; rerun
 # only to change it (another espeak-ng or sox version may give other bytes).
@@ -41,4 +42,17 @@ join "$OUT/two_utterances.wav" g300.wav kitchen.wav g800.wav time.wav g300.wav
 # a short pause (shorter than the default min_silence_duration_ms) inside one utterance, then
 # a short sound after a pause (near min_speech_duration_ms)
 join "$OUT/short_pause.wav" g300.wav hello.wav g70.wav there.wav g800.wav hm.wav g300.wav
+# user turns of a voice conversation (examples/voice_agent.py): a question; a request with a
+# pause inside it (longer than the VAD's silence rule, shorter than the agent's endpointing);
+# a question whose answer the next file interrupts; the interruption
+say hear en-us "Hello, can you hear me?"
+say lights en-us "Turn on the lights"
+say lights2 en-us "in the kitchen, please."
+say weather en-gb "What will the weather be like tomorrow?"
+say stop en-us "Wait, shorter please."
+gap g250 0.25
+join "$OUT/voice_hello.wav" g300.wav hear.wav g300.wav
+join "$OUT/voice_pause.wav" g300.wav lights.wav g250.wav lights2.wav g300.wav
+join "$OUT/voice_weather.wav" g300.wav weather.wav g300.wav
+join "$OUT/voice_interrupt.wav" g70.wav stop.wav g300.wav
 for f in "$OUT"/*.wav; do echo "$f: $(soxi -D "$f") s, $(stat -c %s "$f") bytes"; done
