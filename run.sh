@@ -30,6 +30,9 @@ setup() {
   # the serve extra (flashrt serve and tests/test_serve.py)
   "$PY" -m pip install -q "fastapi>=0.110" "uvicorn>=0.29" "jinja2>=3.1" "tokenizers>=0.19" \
       "openai>=1.30" "httpx>=0.27" "python-multipart>=0.0.9" "websockets>=12"
+  # the agents extra: xgrammar for constrained decoding (flashrt/lm/grammar.py); the torch and
+  # triton above satisfy its requirements, so neither is replaced
+  "$PY" -m pip install -q "xgrammar==0.2.9"
   # the speech extra (flashrt.speech): Silero VAD's wheel ships its real weights, which the
   # speech tests run (tests/test_speech_vad.py skips without it)
   "$PY" -m pip install -q "silero-vad>=6"

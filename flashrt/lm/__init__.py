@@ -3,10 +3,13 @@
 Rule: lm/ builds on core/ (sessions, copies, graphs), models/ (the loader and the protocol) and
 capsules/ (stores); it never imports serve, policy or speech. Its public face is this module:
 `load`, `LanguageModel`, `Options`, and the helpers a server or a test needs (speculative
-decoding a round at a time: `SpeculativeDecoder`, from `LanguageModel.speculation().decoder()`).
+decoding a round at a time: `SpeculativeDecoder`, from `LanguageModel.speculation().decoder()`;
+constrained decoding: `Grammar` specs, passed as generate(grammar=) or rt.constrain(), whose
+state a session keeps as a `Constraint`).
 """
 from __future__ import annotations
 
+from .grammar import Constraint, Grammar, GrammarOptions, Grammars  # noqa: F401
 from .graphs import StepGraphs, graph_body_step, static_step, use_graph_bodies  # noqa: F401
 from .inputs import common_prefix  # noqa: F401
 from .model import HISTORY, LanguageModel, Options  # noqa: F401

@@ -5,7 +5,7 @@ stream, the io buffers of the step bodies, and multimodal embedding segments.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -18,6 +18,7 @@ from flashrt.core.shared import SharedArena
 from flashrt.errors import ArenaError
 from flashrt.models.loader import LoadedModel
 
+from .grammar import Constraint, Grammar, GrammarOptions, Grammars
 from .graphs import StepGraphs, record
 from .inputs import EmbeddingSegments, embeds_ids, token_ids
 from .sampler import sample, validate
@@ -41,6 +42,7 @@ class Options(SessionOptions):
     graph_max_tokens: int = 64        # steps up to this many tokens replay graphs; longer run eagerly
     compile: bool = False             # torch.compile the graph bodies (before capture on CUDA)
     seed: int = 0
+    grammar: GrammarOptions = field(default_factory=GrammarOptions)   # constrained decoding's bounds
 
     def __post_init__(self):
         for name in ("max_seq_len", "prefill_chunk", "checkpoint_every", "max_checkpoints",
@@ -48,6 +50,8 @@ class Options(SessionOptions):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+        if not isinstance(self.grammar, GrammarOptions):
+            raise TypeError(f"grammar must be a GrammarOptions, got {type(self.grammar).__name__}")
 
 
 def lm_specs(o: Options, vocab: int) -> list[BufferSpec]:
@@ -80,6 +84,8 @@ class LanguageModel:
         self.finish_reason = None
         self.context_reused = 0              # positions set_context took over instead of re-running
         self.speculator: Speculator | None = None    # speculative state, made on first use
+        self.grammars = Grammars(model, options.grammar)   # compiled grammars; shared with forks
+        self.constraint: Constraint | None = None    # the active grammar's state (grammar.py)
         if shared is None:
             session = Session(self.net, lm_specs(options, self.net.vocab_size), model.device,
                               model.dtype, model.fingerprint, options, {"linear": model.linear_kernel},
@@ -208,12 +214,15 @@ class LanguageModel:
             else:
                 t = token_ids(ids, self.net.vocab_size, self.model.device)
             self.activate().check_room(t.shape[0])
+            self.constraint = None      # the context is the caller's: decode() forces under a grammar
             out = self.advance(t, all_logits)
             return out if all_logits else self.arena["meta.logits"].clone()
 
     @torch.no_grad()
     def decode(self, token: int) -> torch.Tensor:
-        """Append one token; returns its float32 logits (a fresh tensor, not an arena view)."""
+        """Append one token; returns its float32 logits (a fresh tensor, not an arena view).
+        Under a grammar (self.constraint) the token must be one it allows (ValueError, state
+        untouched, if not) and the logits come back masked to what it allows next."""
         with self._lock:
             if self.position == 0:
                 raise RuntimeError("decode() before any prefill: the session is empty (position 0)")
@@ -221,45 +230,63 @@ class LanguageModel:
                 raise ValueError(f"max_seq_len {self.max_seq_len} reached: cannot decode at "
                                  f"position {self.position}")
             t = token_ids([token], self.net.vocab_size, self.model.device)
-            self.advance(t)
-            return self.arena["meta.logits"].clone()
+            c = self.constraint
+            if c is not None and not c.accept(int(token)):
+                raise ValueError(f"token {token} is not allowed by the active grammar "
+                                 f"({c.grammar.kind} {c.grammar.key[:12]}) at position {self.position}")
+            try:
+                self.advance(t)
+            except BaseException:
+                if c is not None:
+                    c.rollback(1)
+                raise
+            out = self.arena["meta.logits"].clone()
+            return out if c is None or c.terminated else c.mask(out)
 
     @torch.no_grad()
     def generate(self, ids=None, max_new_tokens: int = 32, temperature: float = 0.0, top_k: int = 0,
                  top_p: float = 1.0, seed: int | None = None, stop=(), ignore_eos: bool = False,
-                 speculative: str | None = None, draft_tokens: int = 2, drafter=None) -> list[int]:
+                 speculative: str | None = None, draft_tokens: int = 2, drafter=None,
+                 grammar: Grammar | None = None) -> list[int]:
         """Sample up to max_new_tokens; every returned token is committed to the session.
 
         seed=None continues the session's RNG stream; an int reseeds it. Stops after EOS or
         any `stop` id; finish_reason says why. speculative="mtp" drafts with the checkpoint's
-        draft head, "draft" with drafter(rt, k); see flashrt/lm/speculative.py."""
+        draft head, "draft" with drafter(rt, k); see flashrt/lm/speculative.py. grammar: every
+        token is one it allows (flashrt/lm/grammar.py); without ids, the same grammar continues
+        the active constraint (after a rollback, say), and grammar=None continues any."""
         if speculative is not None or drafter is not None:
             with self._lock:
                 out, self.finish_reason = self.speculation().generate(
                     ids, max_new_tokens, temperature, top_k, top_p, seed, stop, ignore_eos,
-                    speculative, draft_tokens, drafter)
+                    speculative, draft_tokens, drafter, grammar)
                 return out
         validate(temperature, top_k, top_p)
         with self._lock:
-            stops = self.start_generation(ids, seed, stop, ignore_eos)
+            stops, c = self.start_generation(ids, seed, stop, ignore_eos, grammar=grammar)
             self.activate()
-            if self.graphs is not None:
+            if self.graphs is not None and c is None:   # a grammar masks outside the decode graph
                 n = min(max_new_tokens, self.max_seq_len - self.position)
                 out = self.graphs.generate(n, stops, temperature, top_k, top_p)
                 self.finish_reason = ("stop" if out and out[-1] in stops else
                                       "length" if len(out) == max_new_tokens else "max_seq_len")
                 return out
             out, self.finish_reason = self._host_generate(max_new_tokens, stops, temperature,
-                                                          top_k, top_p)
+                                                          top_k, top_p, c)
             return out
 
-    def _host_generate(self, n: int, stops, temperature, top_k, top_p):
-        """Eager generation: sample on the host, step, commit; (tokens, finish reason)."""
+    def _host_generate(self, n: int, stops, temperature, top_k, top_p, c: Constraint | None = None):
+        """Eager generation: sample on the host, step, commit; (tokens, finish reason). Under
+        constraint c each token is drawn from the masked logits and accepted."""
         out = []
         for _ in range(n):
             if self.position >= self.max_seq_len:
                 return out, "max_seq_len"
+            if c is not None and c.terminated:
+                return out, "stop"
             tok = self.sample(temperature, top_k, top_p)
+            if c is not None:
+                c.require(tok)
             self.advance(torch.tensor([tok], device=self.model.device))
             out.append(tok)
             if tok in stops:
@@ -276,20 +303,48 @@ class LanguageModel:
             self.speculator = Speculator(self)
         return self.speculator
 
-    def sample(self, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0) -> int:
-        """A token from the last logits and the session's RNG stream (not committed)."""
+    def sample(self, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+               logits: torch.Tensor | None = None) -> int:
+        """A token from the last logits (masked by the active grammar) and the session's RNG
+        stream (not committed). logits: (V,) float32 to draw from instead, used as given (a
+        caller's final logits: biased, masked by it; flashrt serve's logit_bias and logprobs)."""
         a = self.activate().arena
-        return int(sample(a["meta.logits"], a["sampler.rng"], temperature, top_k, top_p))
+        if logits is None:
+            logits, c = a["meta.logits"], self.constraint
+            logits = logits if c is None else c.mask(logits.clone())
+        return int(sample(logits, a["sampler.rng"], temperature, top_k, top_p))
 
-    def start_generation(self, ids, seed, stop, ignore_eos, prefill=None) -> set:
-        """Prefill ids (or require context), reseed, and return the stop ids."""
+    def start_generation(self, ids, seed, stop, ignore_eos, prefill=None,
+                         grammar: Grammar | None = None) -> tuple[set, Constraint | None]:
+        """Prefill ids (or require context), reseed, start the grammar at the position (or
+        continue the active constraint: see generate); returns (the stop ids, the constraint).
+        Under a grammar the EOS ids stop even with ignore_eos: it allows them only once complete."""
+        keep = grammar is None or (ids is None and self.constraint is not None
+                                   and self.constraint.grammar.key == grammar.key)
+        if not keep:
+            self.grammars.compile(grammar)          # refused before any state changes
         if ids is not None:
+            self.constraint = None
             (prefill or self.prefill)(ids)
         elif self.position == 0:
             raise RuntimeError("generate() without ids on an empty session: prefill first")
         if seed is not None:
             self.seed(seed)
-        return set(stop) | (set() if ignore_eos else set(self.model.eos_ids))
+        if not keep:
+            self.constraint = Constraint(grammar, self.grammars, self.position)
+        c = self.constraint
+        return set(stop) | (set() if ignore_eos and c is None else set(self.model.eos_ids)), c
+
+    def constrain(self, grammar: Grammar | None) -> Constraint | None:
+        """Start `grammar` at the current position (None: end the active one); the tokens
+        committed from here on are accepted by it. Returns the constraint (self.constraint)."""
+        with self._lock:
+            if grammar is None:
+                self.constraint = None
+            else:
+                self.grammars.compile(grammar)
+                self.constraint = Constraint(grammar, self.grammars, self.position)
+            return self.constraint
 
     def seed(self, seed: int) -> None:
         with self._lock, torch.no_grad():
@@ -299,18 +354,30 @@ class LanguageModel:
         """Empty the session: zero fixed state, position 0. The RNG stream continues."""
         with self._lock:
             self.activate().reset()
+            self.constraint = None
 
     # ---- capsules -----------------------------------------------------------------------
     def snapshot(self, into: Capsule | None = None, single_use: bool = False,
                  parent: Capsule | None = None) -> Capsule:
-        """Copy the committed state (see Session.snapshot)."""
+        """Copy the committed state (see Session.snapshot); an active grammar's record
+        (grammar.py: key, spec, start, ids) goes in meta.extra["grammar"]."""
         with self._lock:
-            return self.activate().snapshot(into, single_use, parent)
+            cap = self.activate().snapshot(into, single_use, parent)
+            if self.constraint is not None:
+                cap.meta.extra["grammar"] = self.constraint.record()
+            return cap
 
     def restore(self, cap: Capsule, kinds=None, on_validated=None) -> None:
-        """Make the session's state the capsule's; refused, state untouched, unless it fits."""
+        """Make the session's state the capsule's, its grammar state included (rebuilt by
+        replay when first used); refused, state untouched, unless it fits."""
         with self._lock:
+            c = self._constraint_of(cap)
             self.activate().restore(cap, kinds, on_validated)
+            self.constraint = c
+
+    def _constraint_of(self, cap: Capsule) -> Constraint | None:
+        rec = cap.meta.extra.get("grammar")
+        return None if rec is None else Constraint.from_record(rec, self.grammars, cap.position)
 
     def empty_capsule(self, max_tokens: int | None = None, host: bool = False) -> Capsule:
         """A preallocated capsule buffer for snapshot(into=) (host=True: for load_capsule(into=)),
@@ -319,12 +386,19 @@ class LanguageModel:
 
     @torch.no_grad()
     def rollback(self, position: int) -> None:
-        """Return to an earlier token boundary of the history (see Session.rollback). The
-        RNG stream is not rewound, so a retry samples afresh."""
+        """Return to an earlier token boundary of the history (see Session.rollback); the
+        active grammar rolls back by the tokens undone. The RNG stream is not rewound, so a
+        retry samples afresh."""
         with self._lock:
             session = self.activate()
             hist = session.arena[HISTORY][: max(0, min(position, self.position))].clone()
             session.rollback(position, lambda a, b: self.advance(hist[a:b]))
+            c = self.constraint         # the grammar undoes the same tokens; before it, it ends
+            if c is not None:
+                if self.position < c.start:
+                    self.constraint = None
+                else:
+                    c.rollback(len(c.ids) - (self.position - c.start))
 
     def fork(self, cap: Capsule | None = None, seed: int | None = None,
              share: bool | None = None) -> "LanguageModel":
@@ -346,6 +420,10 @@ class LanguageModel:
                     LanguageModel(self.model, self.options)
                 child.restore(src)
             child.embeds = self.embeds           # immutable segments, by content digest
+            child.grammars = self.grammars       # compiled grammars, by key
+            # the grammar state: the live matcher forked, or the capsule's replayed on first use
+            live = cap is None and self.constraint is not None
+            child.constraint = self.constraint.fork() if live else child._constraint_of(src)
             if seed is not None:
                 child.seed(seed)
             return child
@@ -368,4 +446,5 @@ class LanguageModel:
         with self._lock:
             self.activate()
             self.context_reused = set_context(self, context, store, remember, advance)
+            self.constraint = None      # the context is the caller's (a restored capsule's grammar too)
             return self.arena["meta.logits"].clone()

@@ -23,6 +23,8 @@ Injected drafters: `drafter(rt, k) -> <= k token ids` (or `(ids, q)`, q (len, V)
 they continue `pending_token(rt)`. Greedy output equals plain greedy up to near-ties: a (k+1)-
 token verify changes logit bits vs single-token decode (~1e-6 fp32).
 CUDA: the verify and draft bodies are captured per size (graphs.py extension) on first use.
+Under a grammar (grammar.py) tokens, drafts and verify rows are masked by their prefix's state
+(DraftMasks), a refused draft ends the drafts: greedy output is plain greedy's (as above).
 
 The speculator's contract with the language model (SpeculationTarget; LanguageModel has it):
 the only members of `rt` this module uses, all public.
@@ -33,7 +35,8 @@ the only members of `rt` this module uses, all public.
                               checkpoint identity
   graphs                      the arena's step bodies (None: eager), which the speculative
                               bodies extend
-  start_generation(ids, seed, stop, ignore_eos, prefill)   prompt, reseed, the stop ids
+  start_generation(ids, seed, stop, ignore_eos, prefill, grammar)   prompt, reseed, grammar:
+                              (the stop ids, the constraint or None)
   advance(ids)                a plain step (replayed graphs where there are), committed
   commit_tokens(ids, last_logits)   commit positions a verify step ran
   speculation()               this per-session state (the module-level helpers below)
@@ -48,6 +51,7 @@ import torch
 
 from flashrt.core.rng import uniform
 from flashrt.lm.acceptance import accept_test, residual, sample_from, target_probs
+from flashrt.lm.grammar import Constraint, DraftMasks
 from flashrt.lm.inputs import token_ids
 from flashrt.lm.sampler import sample, validate
 from flashrt.lm.speculative_steps import EagerSteps, SpecSteps
@@ -77,7 +81,8 @@ class SpeculationTarget(Protocol):
 
     def activate(self) -> Session: ...
 
-    def start_generation(self, ids, seed: int | None, stop, ignore_eos: bool, prefill=None) -> set: ...
+    def start_generation(self, ids, seed: int | None, stop, ignore_eos: bool, prefill=None,
+                         grammar=None) -> tuple[set, Constraint | None]: ...
 
     def advance(self, hist: torch.Tensor, all_logits: bool = False): ...
 
@@ -127,22 +132,24 @@ class Speculator:
 
     @torch.no_grad()
     def generate(self, ids, max_new_tokens, temperature, top_k, top_p, seed, stop, ignore_eos,
-                 speculative, draft_tokens, drafter) -> tuple[list[int], str]:
+                 speculative, draft_tokens, drafter, grammar=None) -> tuple[list[int], str]:
         """LanguageModel.generate(..., speculative=...) under the session's lock: same contract
         as plain generate (every returned token is committed). Returns (tokens, finish_reason)."""
         check_request(self.rt, speculative, draft_tokens, drafter)
         validate(temperature, top_k, top_p)
         d = SpeculativeDecoder(self, draft_tokens, drafter, temperature, top_k, top_p)
-        stops = self.rt.start_generation(ids, seed, stop, ignore_eos, d.prefill)
+        stops, d.constraint = self.rt.start_generation(ids, seed, stop, ignore_eos, d.prefill, grammar)
         return d.run(max_new_tokens, stops), d.finish_reason
 
     def decoder(self, draft_tokens: int = 2, temperature: float = 0.0, top_k: int = 0,
-                top_p: float = 1.0, drafter=None) -> SpeculativeDecoder:
+                top_p: float = 1.0, drafter=None,
+                constraint: Constraint | None = None) -> SpeculativeDecoder:
         """Speculative decoding a round at a time (SpeculativeDecoder), for a caller that
-        interleaves sessions and holds this one's lock while it uses it (flashrt serve)."""
+        interleaves sessions and holds this one's lock while it uses it (flashrt serve), under
+        the grammar state `constraint` (LanguageModel.constraint) if given."""
         check_request(self.rt, "draft" if drafter is not None else "mtp", draft_tokens, drafter)
         validate(temperature, top_k, top_p)
-        return SpeculativeDecoder(self, draft_tokens, drafter, temperature, top_k, top_p)
+        return SpeculativeDecoder(self, draft_tokens, drafter, temperature, top_k, top_p, constraint)
 
     def prefill(self, ids) -> None:
         """Append ids and write the draft head's rows for their pairs (and the pair that joins
@@ -196,9 +203,9 @@ def check_request(rt: SpeculationTarget, speculative, draft_tokens, drafter) -> 
 
 def generate(rt, ids=None, max_new_tokens: int = 32, temperature: float = 0.0, top_k: int = 0,
              top_p: float = 1.0, seed: int | None = None, stop=(), ignore_eos: bool = False,
-             speculative: str = "mtp", draft_tokens: int = 2, drafter=None) -> list[int]:
+             speculative: str = "mtp", draft_tokens: int = 2, drafter=None, grammar=None) -> list[int]:
     return rt.generate(ids, max_new_tokens, temperature, top_k, top_p, seed, stop, ignore_eos,
-                       speculative, draft_tokens, drafter)
+                       speculative, draft_tokens, drafter, grammar)
 
 
 class SpeculativeDecoder:
@@ -217,13 +224,14 @@ class SpeculativeDecoder:
       finish_reason      None while it goes on; "stop" (a stop id was committed), "length" (the
                          room or budget used up) or "max_seq_len" (the session is full)
       stats              this decoder's counters (Speculator.stats once closed; last_stats)
+      constraint, masks  the grammar state it decodes under (None: none); a round's DraftMasks
     """
 
     def __init__(self, spec: Speculator, k: int | None, drafter, temperature: float, top_k: int,
-                 top_p: float):
+                 top_p: float, constraint: Constraint | None = None):
         """k: drafts per round (None: a decoder that only prefills)."""
         rt = spec.rt
-        self.spec, self.rt, self.net = spec, rt, rt.net
+        self.spec, self.rt, self.net, self.constraint, self.masks = spec, rt, rt.net, constraint, None
         self.session = rt.activate()
         self.a = self.session.arena
         self.k, self.drafter = k or 0, drafter
@@ -286,6 +294,10 @@ class SpeculativeDecoder:
             self._draft(toks[j: j + chunk], hid[j: j + chunk], row0 + j, last_only=True)
 
     # -- drafting ---------------------------------------------------------------------------
+    def _masked(self, logits: torch.Tensor, row: int) -> torch.Tensor:
+        """Draft logits (V,) under the grammar's mask after the drafts so far (row): a copy."""
+        return logits if self.masks is None else self.masks.apply(logits[None].float().clone(), row)[0]
+
     def _pick(self, logits: torch.Tensor):
         logits = torch.nan_to_num(logits.float(), nan=-1e30, posinf=1e30, neginf=-1e30)
         if self.greedy:
@@ -294,16 +306,18 @@ class SpeculativeDecoder:
         return int(sample_from(q, self._u())), q
 
     def _draft_head(self, x0: int, k: int):
-        P = self.session.position
+        P, dm = self.session.position, self.masks
         hid, toks = torch.cat(self.bl_h), self.bl_t
         assert self.bl_r0 + len(toks) == P and hid.shape[0] == len(toks)
         logits, g = self._draft(self._t(toks), hid, self.bl_r0)
         self.bl_h, self.bl_t = [], []
-        d, q = self._pick(logits[-1])
+        d, q = self._pick(self._masked(logits[-1], 0))
         drafts, qs = [d], [q]
         for j in range(1, k):
+            if dm is not None and not (dm.push(d) and dm.open):   # the grammar ends here
+                break
             logits, g = self.steps.draft(self._t([d]), g[-1:], P - 1 + j)
-            d, q = self._pick(logits[-1])
+            d, q = self._pick(self._masked(logits[-1], j))
             drafts.append(d)
             qs.append(q)
         return drafts, (None if self.greedy else torch.stack(qs))
@@ -359,15 +373,20 @@ class SpeculativeDecoder:
         rt, session = self.rt, self.session
         P = session.position
         use_head = self.drafter is None
+        c = self.constraint
+        self.masks = dm = None if c is None else DraftMasks(c, x0, k)   # x0 accepted for good
+        drafting = k > 0 and (dm is None or dm.open)        # x0 may complete the grammar
         drafts, q = [], None
-        if k > 0:
+        if drafting:
             drafts, q = self._draft_head(x0, k) if use_head else self._draft_injected(x0, k)
+            if dm is not None:
+                drafts, q = dm.trial(drafts, q)
         toks = [x0] + drafts
-        consumed = use_head and k > 0
+        consumed = use_head and drafting
         if not drafts:                       # a plain step (captured graphs when there are)
             rt.advance(self._t([x0]))
             H = self._last_hidden() if self.hidden_name else None
-            L = self.a["meta.logits"][None]
+            L = self._masked(self.a["meta.logits"], 0)[None]
             y = int(L[0].argmax()) if self.greedy else int(
                 sample(L[0], self.a["sampler.rng"], self.temp, self.top_k, self.top_p))
             n = 1
@@ -375,7 +394,8 @@ class SpeculativeDecoder:
             if not self.planes:
                 self.spec.mark = mark = session.mark(into=self.spec.mark)
             H, L = self.steps.main(self._t(toks), planes=self.planes)
-            n_acc, y = self._accept(L, drafts, q)
+            # the arena keeps the raw logits; the rule sees each row masked by its prefix's state
+            n_acc, y = self._accept(L if dm is None else dm.apply(L.clone()), drafts, q)
             n = n_acc + 1
             stop_at = next((i for i, t in enumerate(toks[:n]) if t in stops), None)
             if stop_at is not None:
@@ -395,7 +415,11 @@ class SpeculativeDecoder:
                 self.stats["reached_at"][j] += 1
                 self.stats["accepted_at"][j] += j < n_acc
         self.stats["rounds"] += 1
-        stopped = any(t in stops for t in toks[:n])
+        if dm is not None:                   # the trial drafts out, the committed ones in
+            dm.close()
+            for t in toks[1:n]:
+                c.require(t)
+        stopped = any(t in stops for t in toks[:n]) or (c is not None and c.terminated)
         if self.hidden_name:
             if consumed:
                 self.bl_h, self.bl_t, self.bl_r0 = [], [], P
@@ -416,12 +440,13 @@ class SpeculativeDecoder:
     # -- one token, one round, the end: a generate call, or a server interleaving sessions ---
     def first(self) -> int | None:
         """The first token, chosen from the last logits (pending: not yet committed); None
-        (finish_reason "max_seq_len") when the session is full."""
-        s = self._turn()
-        if s.position >= s.max_seq_len:
-            self.finish_reason = "max_seq_len"
+        when the session is full (finish_reason "max_seq_len") or the grammar complete ("stop")."""
+        s, c = self._turn(), self.constraint
+        if s.position >= s.max_seq_len or (c is not None and c.terminated):
+            self.finish_reason = "max_seq_len" if s.position >= s.max_seq_len else "stop"
             return None
-        x0 = int(sample(self.a["meta.logits"], self.a["sampler.rng"], self.temp, self.top_k, self.top_p))
+        L = self.a["meta.logits"] if c is None else c.mask(self.a["meta.logits"].clone())
+        x0 = int(sample(L, self.a["sampler.rng"], self.temp, self.top_k, self.top_p))
         if self.hidden_name:
             self.bl_h, self.bl_t, self.bl_r0 = [self._last_hidden()], [x0], s.position - 1
         self.pending = x0
@@ -452,6 +477,8 @@ class SpeculativeDecoder:
         """Commit the pending token and write the draft head's rows: the session is at rest."""
         self._turn()
         if self.pending is not None:
+            if self.constraint is not None:
+                self.constraint.require(self.pending)
             self.rt.advance(self._t([self.pending]))
             self.pending = None
         self._flush()
