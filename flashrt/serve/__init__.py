@@ -5,12 +5,17 @@ flashrt.capsules and flashrt.speech (and errors); it never imports core, nn, mod
 policy or dev.
 
 Layout: options.py (ServeOptions: every setting, once), server.py (build, the command line),
-wire.py (request models, responses, errors), app.py + session_routes.py (thin routes),
+wire.py (request models, responses, errors), chat_wire.py (chat requests: messages, tools,
+response formats), replies.py (a chat reply: tool calls, reasoning, grammar, logprobs),
+app.py + session_routes.py (thin routes),
 events.py (what the worker posts to a request), engine.py (the stepping worker), turns.py (one
 request's turn), text.py (templates, detokenization, stops), turn_store.py (TurnStore: capsule
 memory + disk), conversations.py (Conversation: a /v1/sessions history),
 guard.py (what every request passes: API keys, Host/Origin/content type, size and time limits),
 tenants.py (API keys as tenants, capsule namespaces), audio.py, realtime.py and
-audio_wire.py (the speech routes and their worker, with --asr-model). Needs the `serve` extra.
+audio_wire.py (speech in: the recognizer's routes, with --asr-model), speech.py, speech_wire.py,
+voices.py and stretch.py (speech out: /v1/audio/speech, named voices and `speed`, with
+--tts-model), workers.py (LeaseWorker: a speech model's sessions leased to requests). Needs the
+`serve` extra.
 """
 from .server import build, main  # noqa: F401

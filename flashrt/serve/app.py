@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import sys
 import time
@@ -19,7 +20,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 from starlette.exceptions import HTTPException
 
-from . import wire
+from flashrt.chat import prepare_messages, template_kwargs
+
+from . import chat_wire, replies, wire
 from .conversations import ConversationTable
 from .engine import Choice, Job, new_seed, wait
 from .events import FINAL, Cancelled, Delta, Done, Failed, Finished
@@ -85,7 +88,8 @@ def create_app(engine, template, model_name: str, options: ServeOptions) -> Fast
         room = rt_max - len(ids)
         return min(limit, room) if limit is not None else room
 
-    async def run(request, kind, req, ids, pin=0, conversation=None, default_max=None):
+    async def run(request, kind, req, ids, pin=0, conversation=None, default_max=None, plan=None):
+        """plan: a chat reply's (replies.Plan: parser and grammar); logit_bias applies to all."""
         check_model(req)
         tenant = tenant_of(request)
         if conversation is not None:
@@ -102,31 +106,39 @@ def create_app(engine, template, model_name: str, options: ServeOptions) -> Fast
             pin = req.pin_prefix
         if conversation is not None and req.n != 1:
             raise APIError(400, "n must be 1 in a session turn", param="n")
+        decoding = replies.decoding(req, plan, engine.vocab)
+        if decoding.steered and options.draft_tokens:
+            which = "logit_bias" if decoding.bias else "logprobs"
+            raise APIError(400, f"{which} is not available on a server decoding speculatively "
+                           f"(--draft-tokens {options.draft_tokens})", param=which)
         loop, q = asyncio.get_running_loop(), asyncio.Queue()
         base = req.seed if req.seed is not None else new_seed()
         job = Job(id=wire.new_id("chatcmpl" if kind == "chat" else "cmpl"), prompt=ids, n=req.n,
                   max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
                   seed=req.seed, stops=req.stops(), pin=pin, conversation=conversation,
-                  ignore_eos=req.ignore_eos, tenant=tenant, ns=ns,
+                  ignore_eos=req.ignore_eos, decoding=decoding, tenant=tenant, ns=ns,
                   post=lambda ev: loop.call_soon_threadsafe(q.put_nowait, ev))
         job.choices = [Choice(i, TextStream(engine.tokenizer, job.stops), base + i) for i in range(req.n)]
         engine.submit(job)
         if req.stream:
-            return StreamingResponse(_sse(engine, job, q, kind, model_name, req), media_type="text/event-stream")
-        return await _collect(request, engine, job, q, kind, model_name)
+            return StreamingResponse(_sse(engine, job, q, kind, model_name, req, plan),
+                                     media_type="text/event-stream")
+        return await _collect(request, engine, job, q, kind, model_name, plan)
 
-    card = {"id": model_name, "object": "model", "created": 0, "owned_by": "flashrt",
-            "max_seq_len": rt_max}
+    # the language model first, then the speech models (added with their routes, below)
+    cards = [{"id": model_name, "object": "model", "created": 0, "owned_by": "flashrt",
+              "max_seq_len": rt_max}]
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [card]}
+        return {"object": "list", "data": cards}
 
     @app.get("/v1/models/{name}")
     async def model(name: str):
-        if name != model_name:
-            raise APIError(404, f"unknown model {name!r}: this server serves {model_name!r}",
-                           param="model", code="model_not_found")
+        card = next((c for c in cards if c["id"] == name), None)
+        if card is None:
+            raise APIError(404, f"unknown model {wire._echo(name)}: this server serves "
+                           f"{', '.join(repr(c['id']) for c in cards)}", param="model", code="model_not_found")
         return card
 
     @app.get("/health")
@@ -137,9 +149,9 @@ def create_app(engine, template, model_name: str, options: ServeOptions) -> Fast
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
-        req = wire.parse(wire.ChatRequest, await request.body())
-        ids, pin = await prompts.chat(req)
-        return await run(request, "chat", req, ids, pin=pin)
+        req = wire.parse(chat_wire.ChatRequest, await request.body())
+        ids, pin, plan = await prompts.chat(req)
+        return await run(request, "chat", req, ids, pin=pin, plan=plan)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -163,8 +175,11 @@ def create_app(engine, template, model_name: str, options: ServeOptions) -> Fast
 
     from .session_routes import add_session_routes
     add_session_routes(app, engine, conversations, run, prompts)
-    from .audio import add_audio_routes     # speech: /v1/audio/transcriptions, /v1/realtime
-    add_audio_routes(app, options)
+    from .audio import add_audio_routes     # speech in: /v1/audio/transcriptions, /v1/realtime
+    from .speech import add_speech_routes   # speech out: /v1/audio/speech, /v1/audio/voices
+    for worker in (add_audio_routes(app, options), add_speech_routes(app, options)):
+        if worker is not None:
+            cards.append({"id": worker.name, "object": "model", "created": 0, "owned_by": "flashrt"})
     return app
 
 
@@ -195,33 +210,56 @@ class Prompts:
         return await asyncio.to_thread(self.engine.tokenizer.encode, prompt)
 
     async def chat(self, req) -> tuple:
-        """(ids, pinned prefix length) of a chat request's messages under the template."""
+        """(ids, pinned prefix length) of a chat request's messages under the template, prepared
+        for it (flashrt.chat.prepare_messages: tool calls, tool results, reasoning)."""
         try:
-            msgs = [{"role": m.role, "content": m.text()} for m in req.messages]
+            msgs = prepare_messages([m.model_dump(exclude_none=True) for m in req.messages],
+                                    self.template.family)
+        except ValueError as e:     # it names messages[i] and the field first
+            raise APIError(400, str(e), param=_named(str(e), "messages")) from None
+        if req.tools and self.template.kind == "plain":
+            raise APIError(400, "tools need the model's chat template, and this checkpoint has none "
+                           "(tokenizer_config.json chat_template or chat_template.jinja)", param="tools")
+        # tools, chat_template_kwargs, reasoning_effort: fields chat_wire.ChatRequest declares
+        effort = getattr(req, "reasoning_effort", None)
+        try:
+            extra = template_kwargs(getattr(req, "chat_template_kwargs", None), effort)
         except ValueError as e:
-            raise APIError(400, str(e), param="messages") from None
+            raise APIError(400, str(e), param="reasoning_effort" if effort else "chat_template_kwargs") from None
         total = sum(len(m["content"]) for m in msgs)
         if total > self.engine.max_text_chars:
             raise self._too_long(total, "messages")
         for m in msgs:
             check_text(m["content"], "messages")
-        return await asyncio.to_thread(self._render, msgs, req.pin_prefix == "system")
+        render = functools.partial(self.template.render, tools=getattr(req, "tools", None), template_kwargs=extra)
+        return await asyncio.to_thread(self._render, render, msgs, req)
 
-    def _render(self, msgs, pin_system: bool) -> tuple:
-        tok, template = self.engine.tokenizer, self.template
+    def _render(self, render, msgs, req) -> tuple:
+        """(ids, pinned prefix length, replies.Plan: how the reply is parsed and constrained)."""
+        tok, pin_system = self.engine.tokenizer, req.pin_prefix == "system"
         try:
-            ids = tok.encode(template.render(msgs))
+            text = check_text(render(msgs), "messages")     # tool arguments and reasoning too
+            ids = tok.encode(text)
             pin = 0
             if pin_system:
                 sys_msgs = msgs[: next((i for i, m in enumerate(msgs) if m["role"] != "system"), len(msgs))]
-                pre = tok.encode(template.render(sys_msgs, add_generation_prompt=False)) if sys_msgs else []
+                pre = tok.encode(render(sys_msgs, add_generation_prompt=False)) if sys_msgs else []
                 if ids[: len(pre)] != pre:
                     raise ValueError("pin_prefix='system': the rendered system messages are not a "
                                      "token prefix of the prompt under this template")
                 pin = len(pre)
         except ValueError as e:
             raise APIError(400, str(e), param="messages") from None
-        return ids, pin
+        plan = replies.plan(req, self.template, text)
+        if plan.grammar is not None:
+            self.engine.compile_grammar(plan.grammar)
+        return ids, pin, plan
+
+
+def _named(message: str, default: str) -> str:
+    """The parameter a flashrt.chat error names first (`messages[2].tool_calls[0]...`)."""
+    head = message.split(" ", 1)[0].rstrip(":")
+    return head if head.startswith(default + "[") else default
 
 
 async def _events(job, q):
@@ -232,8 +270,20 @@ async def _events(job, q):
             return
 
 
-async def _collect(request, engine, job, q, kind, model_name):
+def _replies(kind, job, plan) -> list:
+    """One replies.ReplyStream per choice of a chat response (the same for stream or not)."""
+    return [replies.ReplyStream(plan) for _ in range(job.n)] if kind == "chat" else [None] * job.n
+
+
+def _logprobs(engine, job, items) -> dict | None:
+    if job.decoding.logprobs is None:
+        return None
+    return {"content": replies.logprobs_content(engine.tokenizer, items), "refusal": None}
+
+
+async def _collect(request, engine, job, q, kind, model_name, plan=None):
     texts, finish, ids = [""] * job.n, [None] * job.n, [[] for _ in range(job.n)]
+    reply, lps = _replies(kind, job, plan), [[] for _ in range(job.n)]
     created, gone, checked = wire.now(), False, time.monotonic()
     while True:
         try:
@@ -250,20 +300,28 @@ async def _collect(request, engine, job, q, kind, model_name):
             continue
         if isinstance(ev, Delta):
             texts[ev.index] += ev.text
+            lps[ev.index] += ev.logprobs
+            if reply[ev.index] is not None:
+                reply[ev.index].feed(ev.text)
         elif isinstance(ev, Finished):
             finish[ev.index], ids[ev.index] = ev.reason, list(ev.token_ids)
+            if reply[ev.index] is not None:
+                reply[ev.index].finish()
+                finish[ev.index] = reply[ev.index].finish_reason(ev.reason)
         elif isinstance(ev, Failed):
             raise ev.error
         elif isinstance(ev, Cancelled):
             raise APIError(499, "request cancelled before it started", code="cancelled")
         elif isinstance(ev, Done):
-            choices = [wire.choice(kind, i, texts[i], finish[i], ids[i]) for i in range(job.n)]
+            choices = [wire.choice(kind, i, texts[i], finish[i], ids[i],
+                                   reply[i].message() if reply[i] is not None else None,
+                                   _logprobs(engine, job, lps[i])) for i in range(job.n)]
             return wire.response(kind, job.id, model_name, choices, _usage(ev), created)
 
 
-async def _sse(engine, job, q, kind, model_name, req):
+async def _sse(engine, job, q, kind, model_name, req, plan=None):
     created, done = wire.now(), False
-    first, sent = [True] * job.n, [0] * job.n
+    first, sent, reply = [True] * job.n, [0] * job.n, _replies(kind, job, plan)
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     try:
         async for ev in _events(job, q):
@@ -271,15 +329,20 @@ async def _sse(engine, job, q, kind, model_name, req):
                 if job.cancel is not None:             # cut: these tokens are being rolled back
                     continue
                 i, new = ev.index, list(ev.token_ids)
-                c = wire.chunk(kind, job.id, model_name, created, i, ev.text, None, ev.token_index, new, first[i])
+                text, fields = reply[i].feed(ev.text) if reply[i] is not None else (ev.text, {})
+                c = wire.chunk(kind, job.id, model_name, created, i, text, None, ev.token_index, new, first[i],
+                               fields, _logprobs(engine, job, ev.logprobs) if ev.logprobs else None)
                 first[i], sent[i] = False, sent[i] + len(new)
                 yield f"data: {json.dumps(c)}\n\n"
                 job.delivered[i] = sent[i]             # reached here: the chunk was handed to the socket
             elif isinstance(ev, Finished):
                 i = ev.index
                 rest = list(ev.token_ids[sent[i]:])    # an EOS id: its token has no text
-                c = wire.chunk(kind, job.id, model_name, created, i, None, ev.reason, ev.token_index, rest,
-                               first[i])
+                text, fields, reason = None, {}, ev.reason
+                if reply[i] is not None:               # the parser's held text, an open call closed
+                    (text, fields), reason = reply[i].finish(), reply[i].finish_reason(ev.reason)
+                c = wire.chunk(kind, job.id, model_name, created, i, text, reason, ev.token_index, rest,
+                               first[i], fields)
                 first[i], sent[i] = False, sent[i] + len(rest)
                 yield f"data: {json.dumps(c)}\n\n"
                 job.delivered[i] = sent[i]

@@ -1,10 +1,11 @@
 """Speech routes (--asr-model DIR): POST /v1/audio/transcriptions as OpenAI defines it, and the
 Realtime transcription WebSocket /v1/realtime?intent=transcription (realtime.py), over AudioWorker.
 
-AudioWorker: one thread of its own loads the recognizer (flashrt.speech: a streaming transcriber,
-and Silero VAD when the silero-vad package is installed), forks --asr-sessions recognizer
-sessions over its weights, and runs every call on them in order; routes lease a session (a 429
-when all are busy) and hand it work; a lease ends when its client does, however it goes.
+AudioWorker (a workers.LeaseWorker): one thread of its own loads the recognizer (flashrt.speech:
+a streaming transcriber, and Silero VAD when the silero-vad package is installed), forks
+--asr-sessions recognizer sessions over its weights, and runs every call on them in order; routes
+lease a session (a 429 when all are busy) and hand it work; a lease ends when its client does,
+however it goes.
 
 Transcriptions: a WAV file (audio_wire.decode_wav) is pushed in pieces, then the endpoint fork
 flushes what the lookahead still holds. `language`, `prompt` and `temperature` are accepted and
@@ -13,19 +14,16 @@ ignored (greedy decoding, no conditioning); verbose_json segments are the VAD's 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
-import contextlib
 import json
-import queue
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 
 from fastapi import FastAPI, Request
-from fastapi.responses import PlainTextResponse, StreamingResponse
+from fastapi.responses import PlainTextResponse
 
 from . import audio_wire
 from .wire import APIError
+from .workers import Lease, LeasedStream, LeaseWorker, close_on_shutdown
 
 # audio per worker call: other sessions' calls interleave between pieces (live sockets wait
 # at most one piece), a vanished client is noticed between them, stream=true sends a delta each
@@ -39,32 +37,16 @@ class Slot:
     vad: object
 
 
-@dataclass(eq=False)
-class Lease:
-    slot: Slot
-    closed: bool = False
-    fresh: bool = True             # its first call resets the slot (the last client's state)
+class AudioWorker(LeaseWorker):
+    what, flag, busy_code = "recognizer", "--asr-sessions", "asr_sessions_busy"
 
-
-class AudioWorker:
     def __init__(self, options):
         """Load options.asr_model on a thread of its own, which then runs all recognizer work."""
-        self.options = options
         self.name = Path(options.asr_model).resolve().name
         self.vad_error: str | None = None
-        self._lock = threading.Lock()
-        self._free: list = []
-        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self._load_error: BaseException | None = None
-        self._ready = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="flashrt-audio", daemon=True)
-        self._thread.start()
-        self._ready.wait()
-        if self._load_error is not None:
-            self._thread.join()
-            raise self._load_error
+        super().__init__(options, "flashrt-audio")
 
-    def _setup(self) -> None:
+    def setup(self) -> list:
         import torch
 
         from flashrt.speech import VoiceActivity, load_transcriber
@@ -79,101 +61,20 @@ class AudioWorker:
         self.transcriber, self.vad = base, vad
         self.sample_rate, self.frame_seconds = base.sample_rate, base.frame_seconds
         self.tokenizer, self.latency_ms = base.tokenizer, base.latency_ms
-        self.slots = [Slot(base if i == 0 else base.fork(), vad if i == 0 or vad is None else vad.fork())
-                      for i in range(o.asr_sessions)]
-        self._free = list(self.slots)
+        return [Slot(base if i == 0 else base.fork(), vad if i == 0 or vad is None else vad.fork())
+                for i in range(o.asr_sessions)]
 
-    def _run(self) -> None:
-        try:
-            self._setup()
-        except BaseException as e:                  # noqa: BLE001 (re-raised by __init__)
-            self._load_error = e
-            return
-        finally:
-            self._ready.set()
-        while (job := self._jobs.get()) is not None:
-            self._step(*job)
-        while not self._jobs.empty():               # closed: what was queued after fails
-            job = self._jobs.get()
-            if job is not None and job[2].set_running_or_notify_cancel():
-                job[2].set_exception(APIError(503, "speech worker stopped", type="server_error"))
-
-    def _step(self, lease: Lease, fn, fut) -> None:
-        if lease.closed:                # its client is gone (nobody awaits this), the slot maybe
-            fut.cancel()                # another's already
-            return
-        if not fut.set_running_or_notify_cancel():
-            return
-        try:
-            if lease.fresh:
-                lease.fresh = False
-                lease.slot.transcriber.reset()
-                if lease.slot.vad is not None:
-                    lease.slot.vad.reset()
-            fut.set_result(fn(lease.slot))
-        except BaseException as e:                  # noqa: BLE001 (handed to the route)
-            fut.set_exception(e)
-
-    # ---- called from the event loop -----------------------------------------------------------
-    def acquire(self) -> Lease:
-        """A free recognizer session, or a 429."""
-        with self._lock:
-            if not self._free:
-                n = len(self.slots)
-                raise APIError(429, f"all {n} recognizer session(s) are busy (--asr-sessions {n}): "
-                               "retry later", type="rate_limit_error", code="asr_sessions_busy",
-                               headers={"Retry-After": "1"})
-            return Lease(self._free.pop())
-
-    def release(self, lease: Lease) -> None:
-        """Give the session back (idempotent): calls still queued for the lease are dropped, and
-        the next lease's first call, queued after them, resets it."""
-        with self._lock:
-            if not lease.closed:
-                lease.closed = True
-                self._free.append(lease.slot)
-
-    async def run(self, lease: Lease, fn):
-        """fn(slot) on the worker thread; shielded, so a cancelled route leaves the worker's
-        future alone (the lease's release drops what is still queued)."""
-        fut = concurrent.futures.Future()
-        self._jobs.put((lease, fn, fut))
-        return await asyncio.shield(asyncio.wrap_future(fut))
-
-    def close(self) -> None:
-        self._jobs.put(None)
-        self._thread.join(timeout=30)
-
-
-class _Leased(StreamingResponse):
-    """A stream that gives its recognizer session back however it ends (a client gone before
-    the body started included: then the generator never runs its own finally)."""
-
-    def __init__(self, body, worker: AudioWorker, lease: Lease):
-        super().__init__(body, media_type="text/event-stream")
-        self._release = lambda: worker.release(lease)
-
-    async def __call__(self, scope, receive, send):
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self._release()
+    def reset(self, slot: Slot) -> None:
+        slot.transcriber.reset()
+        if slot.vad is not None:
+            slot.vad.reset()
 
 
 def add_audio_routes(app: FastAPI, options) -> AudioWorker | None:
     """The speech routes; without options.asr_model they answer 404 saying how to enable them."""
     worker = AudioWorker(options) if options.asr_model else None
     if worker is not None:
-        inner = app.router.lifespan_context
-
-        @contextlib.asynccontextmanager
-        async def lifespan(a):
-            try:
-                async with inner(a) as state:
-                    yield state
-            finally:
-                await asyncio.to_thread(worker.close)
-        app.router.lifespan_context = lifespan
+        close_on_shutdown(app, worker)
 
     def need_worker() -> AudioWorker:
         if worker is None:
@@ -202,7 +103,7 @@ def add_audio_routes(app: FastAPI, options) -> AudioWorker | None:
         del data
         lease = w.acquire()
         if req.stream:
-            return _Leased(_stream(w, lease, pcm), w, lease)
+            return LeasedStream(_stream(w, lease, pcm), w, lease)
         try:
             return await _transcribe(request, w, lease, pcm, req)
         finally:

@@ -31,8 +31,9 @@ def _bad(message: str, code: str, param: str = "file") -> APIError:
     return APIError(400, message, param=param, code=code)
 
 
-def decode_wav(data: bytes, rate: int, max_seconds: float) -> np.ndarray:
-    """WAV bytes -> (n,) float32 mono in [-1, 1] at `rate`, or a 400 naming what is wrong."""
+def decode_wav(data: bytes, rate: int, max_seconds: float, limit_flag: str = "--max-audio-s") -> np.ndarray:
+    """WAV bytes -> (n,) float32 mono in [-1, 1] at `rate`, or a 400 naming what is wrong (past
+    max_seconds: naming limit_flag, the option that sets it)."""
     if not data:
         raise _bad("file is empty (0 bytes)", "empty_audio")
     if len(data) < 12 or data[:4] != b"RIFF" or data[8:12] != b"WAVE":
@@ -58,7 +59,7 @@ def decode_wav(data: bytes, rate: int, max_seconds: float) -> np.ndarray:
             if body + size > len(data):
                 raise _bad(f"truncated WAV: its data chunk declares {size} bytes, {len(data) - body} "
                            "are present", "truncated_audio")
-            return _samples(data[body: body + size], *fmt, rate, max_seconds)
+            return _samples(data[body: body + size], *fmt, rate, max_seconds, limit_flag)
         pos = body + size + (size & 1)     # chunks are padded to an even length
 
 
@@ -80,7 +81,8 @@ def _format(data: bytes, at: int, size: int, rate: int) -> tuple:
     return kind, channels, block
 
 
-def _samples(raw: bytes, kind: str, channels: int, block: int, rate: int, max_seconds: float) -> np.ndarray:
+def _samples(raw: bytes, kind: str, channels: int, block: int, rate: int, max_seconds: float,
+             limit_flag: str) -> np.ndarray:
     if len(raw) % block:
         raise _bad(f"truncated WAV: its {len(raw)} data bytes end inside a {block}-byte frame",
                    "truncated_audio")
@@ -89,7 +91,7 @@ def _samples(raw: bytes, kind: str, channels: int, block: int, rate: int, max_se
         raise _bad("the WAV holds no audio samples", "empty_audio")
     if n > max_seconds * rate:
         raise _bad(f"audio of {n / rate:.1f} s is longer than this server takes ({max_seconds:g} s, "
-                   "--max-audio-s)", "audio_too_long")
+                   f"{limit_flag})", "audio_too_long")
     x = np.frombuffer(raw, kind).reshape(n, channels)
     if kind == "<i2":
         x = x.astype(np.float32) / 32768.0

@@ -46,6 +46,23 @@ class Choice:
     logits: object = None         # greedy: logits of the last committed token
     pending: bool = False         # greedy: ids[-1] is sent but not yet run through the model
     decoder: object = None        # speculative: the turn's round-at-a-time decoder
+    logprob: tuple | None = None  # Decoding.logprobs: the last token's (id, logprob, top pairs)
+
+
+@dataclass(frozen=True)
+class Decoding:
+    """What a request asks of token choice beyond temperature and top_p (serve/replies.py makes
+    it). grammar: a flashrt.lm.Grammar every token must follow (from where the prompt ends);
+    bias: ((token id, bias), ...) added to the logits; logprobs: None (off) or how many top
+    alternatives to report with each chosen token's log-probability."""
+    grammar: object = None
+    bias: tuple = ()
+    logprobs: int | None = None
+
+    @property
+    def steered(self) -> bool:
+        """Tokens are chosen from the session's logits by the turn (a bias or logprobs asked)."""
+        return bool(self.bias) or self.logprobs is not None
 
 
 @dataclass(frozen=True)
@@ -77,6 +94,7 @@ class Job:
     post: object                  # callable(event): thread-safe hand-off to the event loop
     pin: int = 0                  # leading prompt tokens whose capsule is pinned
     ignore_eos: bool = False
+    decoding: Decoding = field(default_factory=Decoding)
     tenant: str = ""              # who may cancel it (tenants.py)
     ns: str = ""                  # the namespace its prompt is reused from and stored in
     conversation: object = None   # conversations.Conversation the turn belongs to
@@ -208,6 +226,18 @@ class Engine:
         model refuses."""
         tokens = list(tokens)
         return self.call(lambda rt: self.turns.remember(rt, tokens, ns) if tokens else None, ns)
+
+    def compile_grammar(self, grammar) -> None:
+        """Compile a flashrt.lm.Grammar for this model now (off the worker; the sessions share
+        the compiled grammars by key), so a refused one is the request's 400 (naming what it
+        refused) before it queues, and a 501 without xgrammar."""
+        try:
+            self.models[0].grammars.compile(grammar)
+        except ValueError as e:
+            raise APIError(400, f"{grammar.kind} grammar refused: {e}", param="response_format"
+                           if grammar.kind != "tool_calls" else "tools", code="unsupported_schema") from None
+        except ImportError as e:
+            raise APIError(501, str(e), type="server_error", code="grammar_unavailable") from None
 
     @property
     def can_save_named(self) -> bool:

@@ -18,6 +18,8 @@ class Delta:
     text: str                     # "" while a partial character or stop-string prefix is held
     token_index: int              # the last token whose text is wholly inside the text sent so far
     token_ids: tuple[int, ...]
+    # when logprobs were asked: per id of token_ids, (id, logprob, ((top id, logprob), ...))
+    logprobs: tuple = ()
 
 
 @dataclass(frozen=True)

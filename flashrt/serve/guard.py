@@ -6,7 +6,7 @@ Guard (ASGI middleware):
   - without: the Host header must name the bound address, a localhost name or an
     --allowed-host (DNS rebinding), an Origin header likewise (a web page's request), and a
     body must be sent as JSON (a page's form or text/plain post never reaches a route; a
-    multipart form only on FORM_PATHS, OpenAI's audio upload, Origin still checked);
+    multipart form only on FORM_PATHS, the audio and voice uploads, Origin still checked);
   - WebSockets pass the same key, Host and Origin checks (a refusal is an HTTP answer);
   - a body is refused past MAX_BODY (413) or when it does not arrive within read_timeout_s
     (408, then the connection is closed).
@@ -28,7 +28,7 @@ MAX_BODY = 8 << 20
 MAX_CONNECTIONS = 1024        # open connections (uvicorn's limit_concurrency: a 503 past it)
 LOCAL_NAMES = frozenset({"localhost", "127.0.0.1", "::1", "localhost.localdomain"})
 TENANT = "flashrt.tenant"
-FORM_PATHS = frozenset({"/v1/audio/transcriptions"})   # multipart bodies accepted without a key
+FORM_PATHS = frozenset({"/v1/audio/transcriptions", "/v1/audio/voices"})   # multipart without a key
 
 
 def error_response(err: APIError) -> Response:

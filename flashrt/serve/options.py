@@ -47,6 +47,13 @@ class ServeOptions:
     asr_sessions: int = 2                 # concurrent recognizer streams, forks of one model
     asr_lookahead: int | None = None      # encoder frames of right context; None: the model's first
     max_audio_s: float = 300.0            # longest file /v1/audio/transcriptions takes
+    # speech out (speech.py): a pocket_tts checkpoint enables /v1/audio/speech and /v1/audio/voices
+    tts_model: str | None = None
+    tts_sessions: int = 2                 # concurrent syntheses, forks of one model
+    max_speech_chars: int = 4096          # longest `input` /v1/audio/speech takes (OpenAI's limit)
+    max_voice_s: float = 30.0             # longest reference WAV a voice is made from
+    max_voices_per_key: int = 32          # voices a tenant may keep
+    voice_budget_mb: float = 512          # memory for voice capsules (all tenants)
 
     def __post_init__(self):
         if not isinstance(self.lm, Options):
@@ -65,6 +72,12 @@ class ServeOptions:
         _require(self.capsule_named_mb > 0, f"--capsule-named-mb must be > 0, got {self.capsule_named_mb}")
         _require(self.asr_sessions >= 1, f"--asr-sessions must be >= 1, got {self.asr_sessions}")
         _require(self.max_audio_s > 0, f"--max-audio-s must be > 0, got {self.max_audio_s}")
+        _require(self.tts_sessions >= 1, f"--tts-sessions must be >= 1, got {self.tts_sessions}")
+        _require(self.max_speech_chars >= 1, f"--max-speech-chars must be >= 1, got {self.max_speech_chars}")
+        _require(self.max_voice_s > 0, f"--max-voice-s must be > 0, got {self.max_voice_s}")
+        _require(self.max_voices_per_key >= 0,
+                 f"--max-voices-per-key must be >= 0, got {self.max_voices_per_key}")
+        _require(self.voice_budget_mb > 0, f"--voice-budget-mb must be > 0, got {self.voice_budget_mb}")
         if self.api_key is not None:
             tenants.check_key(self.api_key, "--api-key (or FLASHRT_API_KEY)")
         for k in self.api_keys:
@@ -90,6 +103,10 @@ class ServeOptions:
     @property
     def queue_limit(self) -> int:
         return self.max_queue if self.max_queue is not None else 4 * self.max_sessions
+
+    @property
+    def voice_bytes(self) -> int:
+        return int(self.voice_budget_mb * MB)
 
     @property
     def budget_bytes(self) -> int:
@@ -136,7 +153,9 @@ class ServeOptions:
             capsule_redis=ns.capsule_redis, max_queue=ns.max_queue,
             session_idle_s=ns.session_idle_s, threads=ns.threads, draft_tokens=ns.draft_tokens,
             asr_model=ns.asr_model, asr_sessions=ns.asr_sessions, asr_lookahead=ns.asr_lookahead,
-            max_audio_s=ns.max_audio_s)
+            max_audio_s=ns.max_audio_s, tts_model=ns.tts_model, tts_sessions=ns.tts_sessions,
+            max_speech_chars=ns.max_speech_chars, max_voice_s=ns.max_voice_s,
+            max_voices_per_key=ns.max_voices_per_key, voice_budget_mb=ns.voice_budget_mb)
 
 
 def _require(ok: bool, message: str) -> None:

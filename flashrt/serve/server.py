@@ -17,7 +17,7 @@ def build(model_dir, options=None, **settings):
     from .engine import Engine
     from .guard import MAX_BODY, Guard
     from .options import ServeOptions
-    from .text import ChatTemplate
+    from flashrt.chat import ChatTemplate
     if settings or options is None:
         options = ServeOptions.from_settings(options, **settings)
     template = ChatTemplate(model_dir)
@@ -82,6 +82,19 @@ def parser(p=None) -> argparse.ArgumentParser:
                    "default the model's first)")
     p.add_argument("--max-audio-s", type=float, default=300,
                    help="longest audio file /v1/audio/transcriptions takes (a 400 past it)")
+    p.add_argument("--tts-model", default=None, metavar="DIR",
+                   help="a pocket_tts checkpoint (codec in DIR/audio_tokenizer): serve POST /v1/audio/speech "
+                   "and voices at /v1/audio/voices")
+    p.add_argument("--tts-sessions", type=int, default=2,
+                   help="concurrent syntheses (forks of one loaded model); a 429 past them")
+    p.add_argument("--max-speech-chars", type=int, default=4096,
+                   help="longest `input` /v1/audio/speech takes, in characters (a 400 past it)")
+    p.add_argument("--max-voice-s", type=float, default=30,
+                   help="longest reference WAV POST /v1/audio/voices takes (a 400 past it)")
+    p.add_argument("--max-voices-per-key", type=int, default=32, help="voices a key may keep")
+    p.add_argument("--voice-budget-mb", type=float, default=512,
+                   help="memory for voice capsules, all keys (a 507 when full); with --capsule-dir "
+                   "voices are on disk too and survive a restart")
     return p
 
 

@@ -1,65 +1,13 @@
-"""Text in and out: chat templates, incremental UTF-8 detokenization, stop strings.
+"""Text out: incremental UTF-8 detokenization and stop strings. Chat templates live in
+flashrt.chat (ChatTemplate is imported here for the modules that took it from this one).
 
-Chat template: the checkpoint's own (tokenizer_config.json "chat_template", or a
-chat_template.jinja file) rendered with jinja2 in a sandbox, as transformers does. A checkpoint
-without one gets the PLAIN template, one line per message and an open assistant line:
-
-    system: You are terse.\\n
-    user: Hi\\n
-    assistant: <generation starts here>
-
-so a rendered history is "<role>: <content>\\n" per message. A checkpoint without tokenizer
-files gets flashrt's byte-level tokenizer (ids 0..255 are UTF-8 bytes, other ids decode
-to "<id>"), so with random weights the text is meaningless but every byte round-trips.
+A checkpoint without tokenizer files gets flashrt's byte-level tokenizer (ids 0..255 are UTF-8
+bytes, other ids decode to "<id>"), so with random weights the text is meaningless but every
+byte round-trips.
 """
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
-PLAIN = "plain"
-
-
-class ChatTemplate:
-    def __init__(self, model_dir):
-        d = Path(model_dir)
-        cfg, src = {}, None
-        if (d / "tokenizer_config.json").exists():
-            cfg = json.loads((d / "tokenizer_config.json").read_text())
-            src = cfg.get("chat_template")
-            if isinstance(src, list):     # [{name, template}]: take "default"
-                src = next((t["template"] for t in src if t.get("name") == "default"), None)
-        if src is None and (d / "chat_template.jinja").exists():
-            src = (d / "chat_template.jinja").read_text()
-        self.kind = "checkpoint" if src else PLAIN
-        self._special = {k: _token_text(cfg.get(k)) for k in ("bos_token", "eos_token")}
-        self._tpl = None
-        if src:
-            from jinja2.exceptions import TemplateError
-            from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-            def raise_exception(msg):
-                raise TemplateError(msg)
-            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-            env.filters["tojson"] = lambda x, **kw: json.dumps(x, ensure_ascii=False, **kw)
-            env.globals["raise_exception"] = raise_exception
-            self._tpl = env.from_string(src)
-
-    def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """messages: [{"role", "content"}] -> prompt text. Raises ValueError on a template error."""
-        if self._tpl is None:
-            out = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
-            return out + ("assistant: " if add_generation_prompt else "")
-        from jinja2.exceptions import TemplateError
-        try:
-            return self._tpl.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                    **self._special)
-        except TemplateError as e:
-            raise ValueError(f"chat template refused the messages: {e}") from None
-
-
-def _token_text(t):
-    return t.get("content") if isinstance(t, dict) else t
+from flashrt.chat import ChatTemplate  # noqa: F401
 
 
 class TextStream:

@@ -84,6 +84,10 @@ class Turns:
                 cap = rt.snapshot()
             for c in job.choices[1:]:
                 c.rt.restore(cap)
+        grammar = job.decoding.grammar
+        for c in job.choices:       # a restored capsule's grammar record is not this request's
+            if c.rt.constrain(grammar) is not None:
+                c.logits = c.rt.constraint.mask(logits.clone())   # decode() masks the later ones
 
     def step(self, job) -> bool:
         """One token per unfinished choice; True when the turn is over (or cancelled)."""
@@ -104,7 +108,8 @@ class Turns:
                 continue
             for tok in toks:                            # a speculative round: 1 + accepted drafts
                 c.ids.append(tok)
-                if tok in self.eos and not job.ignore_eos:
+                # a grammar allows EOS once complete, and nothing after it: EOS ends it
+                if tok in self.eos and (not job.ignore_eos or job.decoding.grammar is not None):
                     self._end(job, c, "stop")
                     break
                 self._post_delta(job, c, c.stream.feed(tok), [tok])   # a chunk per token
@@ -115,18 +120,44 @@ class Turns:
 
     def _next(self, job, c) -> list:
         """One token. Greedy sends it before running it through the model (the step that
-        makes the next logits), so TTFT is the prefill alone; sampling goes through
-        rt.generate (the session's RNG), which runs the token before returning it."""
-        rt = c.rt
-        if job.temperature == 0.0:
+        makes the next logits), so TTFT is the prefill alone; so does sampling steered by a
+        bias or logprobs (it draws from the session's RNG here). Plain sampling goes through
+        rt.generate (the session's RNG), which runs the token before returning it. Under a
+        grammar c.logits are masked (prefill, then decode) and generate masks its own."""
+        rt, d = c.rt, job.decoding
+        if job.temperature == 0.0 or d.steered:
             if c.pending:
                 if rt.position >= rt.max_seq_len:
                     return []
                 c.logits = rt.decode(c.ids[-1])
+            elif job.temperature > 0.0 and not c.ids:
+                rt.seed(c.seed)
             c.pending = True
-            return [int(torch.argmax(c.logits))]       # the sampler's greedy rule, same logits
+            return [self._choose(job, c)]
         return rt.generate(max_new_tokens=1, temperature=job.temperature, top_p=job.top_p,
-                           seed=c.seed if not c.ids else None, ignore_eos=True)
+                           seed=c.seed if not c.ids else None, ignore_eos=True, grammar=d.grammar)
+
+    @staticmethod
+    def _choose(job, c) -> int:
+        """The token from c.logits (V,): biased (after a grammar's mask, which is the same: a
+        refused id stays -inf), then the sampler's rule (greedy: argmax, as plain greedy without
+        a bias); with logprobs, c.logprob is its log-softmax over these final logits and the
+        top alternatives."""
+        d, logits = job.decoding, c.logits
+        if d.bias:
+            ids, vals = zip(*d.bias)
+            logits = logits.index_add(0, torch.tensor(ids, device=logits.device),
+                                      torch.tensor(vals, dtype=logits.dtype, device=logits.device))
+        if job.temperature == 0.0:
+            tok = int(torch.argmax(logits))
+        else:
+            tok = c.rt.sample(job.temperature, 0, job.top_p, logits=logits)
+        if d.logprobs is not None:
+            lp = torch.log_softmax(logits.float(), dim=-1)
+            top = lp.topk(d.logprobs) if d.logprobs else None
+            c.logprob = (tok, float(lp[tok]), () if top is None else
+                         tuple(zip(top.indices.tolist(), top.values.tolist())))
+        return tok
 
     def _next_speculative(self, job, c) -> list:
         """One round of the choice's speculative decoder: the first token (sent before it runs,
@@ -135,14 +166,16 @@ class Turns:
         if c.decoder is None:
             if job.temperature > 0.0:
                 c.rt.seed(c.seed)
-            c.decoder = c.rt.speculation().decoder(self.draft_tokens, job.temperature, 0, job.top_p)
+            c.decoder = c.rt.speculation().decoder(self.draft_tokens, job.temperature, 0, job.top_p,
+                                                   constraint=c.rt.constraint)
             return [t for t in [c.decoder.first()] if t is not None]
         if c.decoder.pending is None:       # a stop id committed, or the session is full
             return []
         return c.decoder.next(job.max_tokens - len(c.ids), set() if job.ignore_eos else self.eos)
 
     def _post_delta(self, job, c, text, new_ids) -> None:
-        job.post(Delta(c.index, text, c.stream.covered() - 1, tuple(new_ids)))
+        lp = (c.logprob,) if new_ids and c.logprob is not None else ()
+        job.post(Delta(c.index, text, c.stream.covered() - 1, tuple(new_ids), lp))
 
     def _end(self, job, c, reason, flush=True) -> None:
         if flush:

@@ -14,15 +14,15 @@ from typing import Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 # fields the OpenAI API defines that this server does not implement: refused by name unless
-# they carry their no-op default (clients often send e.g. presence_penalty=0)
+# they carry their no-op default (clients often send e.g. presence_penalty=0). Chat's tools,
+# response_format, logprobs, ... are fields of ChatRequest; /v1/completions' integer
+# `logprobs` (the legacy shape) is not implemented.
 UNSUPPORTED = MappingProxyType({
-    "logprobs": (None, False), "top_logprobs": (None, 0), "tools": (None, []),
-    "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
-    "response_format": (None, {"type": "text"}), "logit_bias": (None, {}),
+    "logprobs": (None, False), "functions": (None, []), "function_call": (None, "none"),
     "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
     "best_of": (None, 1), "echo": (None, False), "suffix": (None, ""),
-    "parallel_tool_calls": (None,), "audio": (None,), "modalities": (None, ["text"]),
-    "prediction": (None,), "reasoning_effort": (None,), "web_search_options": (None,)})
+    "audio": (None,), "modalities": (None, ["text"]),
+    "prediction": (None,), "web_search_options": (None,)})
 # accepted and ignored: bookkeeping fields with no effect on generation
 IGNORED = frozenset({"user", "metadata", "store", "service_tier"})
 MAX_STOP = 4
@@ -89,6 +89,8 @@ class _Common(BaseModel):
     pin_prefix: Union[int, Literal["system"], None] = None
     # extension (as vLLM): reuse only prompts sent with the same salt (and API key)
     cache_salt: str | None = None
+    # token id (as a decimal string) -> a bias in [-100, 100] added to its logit before sampling
+    logit_bias: dict[str, float] | None = None
 
     @field_validator("max_tokens")
     @classmethod
@@ -113,6 +115,25 @@ class _Common(BaseModel):
     def _cache_salt(cls, v):
         return _salt(v)
 
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, v):
+        for k, b in (v or {}).items():
+            if not (k.isascii() and k.isdigit() and len(k) <= 10):
+                raise ValueError(f"keys are token ids as decimal strings, got {_echo(k)}")
+            if not -100.0 <= b <= 100.0:
+                raise ValueError(f"a bias is in [-100, 100], got {b!r} for token {k}")
+        return v
+
+    def bias(self, vocab: int) -> dict[int, float]:
+        """logit_bias as {token id: bias}; a 400 naming logit_bias for an id outside the vocabulary."""
+        out = {int(k): float(b) for k, b in (self.logit_bias or {}).items()}
+        bad = next((t for t in out if t >= vocab), None)
+        if bad is not None:
+            raise APIError(400, f"logit_bias: token id {bad} is outside the vocabulary [0, {vocab})",
+                           param="logit_bias")
+        return out
+
     @model_validator(mode="after")
     def _stream_options(self):
         if self.stream_options is not None and not self.stream:
@@ -127,37 +148,6 @@ class _Common(BaseModel):
 
     def limit_field(self) -> str:
         return "max_tokens"
-
-
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow", strict=True)
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Union[str, list[dict], None] = None
-
-    def text(self) -> str:
-        if isinstance(self.content, list):
-            bad = [p.get("type") for p in self.content if p.get("type") != "text"]
-            if bad:
-                raise ValueError(f"content parts of type {bad} are not supported (text only)")
-            texts = [p.get("text", "") for p in self.content]
-            if not all(isinstance(t, str) for t in texts):
-                raise ValueError("a content part's text must be a string")
-            return "".join(texts)
-        return self.content or ""
-
-
-class ChatRequest(_Common):
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = None
-
-    def limit(self) -> int | None:
-        v = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        if v is not None and v < 1:
-            raise APIError(400, f"max_completion_tokens must be >= 1, got {v}", param="max_completion_tokens")
-        return v
-
-    def limit_field(self) -> str:
-        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
 
 
 class CompletionRequest(_Common):
@@ -250,11 +240,7 @@ def parse(model_cls, body: bytes):
     except RecursionError:
         raise APIError(400, "invalid body: nested too deeply", code="invalid_json") from None
     except ValidationError as e:
-        first = e.errors()[0]
-        loc = ".".join(str(x) for x in first["loc"])     # e.g. prompt.list[int].0 (a union branch)
-        raise APIError(400, f"invalid {_echo(loc, 200) or 'body'}: {first['msg']}"
-                       + (f" (got {_echo(first['input'])})" if "input" in first and loc else ""),
-                       param=_echo(first["loc"][0], 200) if first["loc"] else None) from None
+        raise _invalid(e.errors()[0]) from None
     extra = set(getattr(req, "model_extra", None) or {})
     bad = sorted(k for k in extra if k not in IGNORED
                  and not (k in UNSUPPORTED and data[k] in UNSUPPORTED[k]))
@@ -264,6 +250,35 @@ def parse(model_cls, body: bytes):
                        + (" (not implemented by flashrt serve)" if known else " (unknown)"),
                        param=_echo(bad[0], 200), code="unsupported_parameter")
     return req
+
+
+_TYPE_TAGS = frozenset(("str", "int", "float", "bool", "dict", "list", "none"))
+
+
+def _path(loc, at: str = "") -> str:
+    """A pydantic error location as OpenAI names a parameter: `messages[0].content`. It ends
+    at a union branch's tag (`list[int]`, `str`, a model's name), which is no field."""
+    out = at
+    for x in loc:
+        if isinstance(x, int):
+            out += f"[{x}]"
+        elif isinstance(x, str) and x.isidentifier() and x.islower() and x not in _TYPE_TAGS:
+            out += f".{x}" if out else x
+        else:
+            break
+    return out
+
+
+def _invalid(err: dict, at: str = "") -> APIError:
+    """The APIError of pydantic's first error, naming the field as OpenAI does in its message
+    and param (`at`: where the value sits in the body); an unknown nested field is refused."""
+    param = _path(err["loc"], at)
+    if err["type"] == "extra_forbidden":
+        return APIError(400, f"unsupported parameter {_echo(param, 200)}: not a field flashrt serve "
+                        "reads here", param=_echo(param, 200), code="unsupported_parameter")
+    return APIError(400, f"invalid {_echo(param, 200) or 'body'}: {err['msg']}"
+                    + (f" (got {_echo(err['input'])})" if "input" in err and param else ""),
+                    param=_echo(param, 200) if param else None)
 
 
 def _echo(v, limit: int = MAX_ECHO) -> str:
@@ -292,25 +307,31 @@ def response(kind: str, rid: str, model: str, choices: list, use: dict, created:
             "usage": use, "system_fingerprint": "flashrt"}
 
 
-def choice(kind: str, index: int, text: str, finish: str, token_ids: list) -> dict:
-    c = {"index": index, "finish_reason": finish, "logprobs": None, "token_ids": token_ids}
+def choice(kind: str, index: int, text: str, finish: str, token_ids: list, message: dict | None = None,
+           logprobs: dict | None = None) -> dict:
+    """message: a chat reply's fields (replies.ReplyStream.message), else content = text."""
+    c = {"index": index, "finish_reason": finish, "logprobs": logprobs, "token_ids": token_ids}
     if kind == "chat":
-        c["message"] = {"role": "assistant", "content": text}
+        c["message"] = message if message is not None else {"role": "assistant", "content": text}
     else:
         c["text"] = text
     return c
 
 
 def chunk(kind: str, rid: str, model: str, created: int, index: int, text: str | None,
-          finish: str | None, token_index: int | None, token_ids: list, first: bool) -> dict:
+          finish: str | None, token_index: int | None, token_ids: list, first: bool,
+          fields: dict | None = None, logprobs: dict | None = None) -> dict:
     """One SSE chunk, one per generated token (extensions: token_ids, the ids generated since
     the previous chunk; token_index, the index of the last token whose text is wholly inside
     the text streamed so far: text lags the ids by a partial UTF-8 character or a held-back
-    stop-string prefix). Barge-in: delivered_tokens = ids received, or delivered_chars."""
+    stop-string prefix; with a chat format's parser, the text handed to it, which may hold a
+    partial tag back). Barge-in: delivered_tokens = ids received, or delivered_chars.
+    fields: a chat delta's other fields (reasoning_content, tool_calls)."""
     if kind == "chat":
         delta = {"role": "assistant", "content": text or ""} if first else (
             {"content": text} if text is not None else {})
-        c = {"index": index, "delta": delta, "finish_reason": finish, "logprobs": None}
+        delta.update(fields or {})
+        c = {"index": index, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
         obj = "chat.completion.chunk"
     else:
         c = {"index": index, "text": text or "", "finish_reason": finish, "logprobs": None}

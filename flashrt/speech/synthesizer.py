@@ -4,7 +4,8 @@ one Session, so one capsule holds all of an utterance's state: backbone K/V and 
 contexts, transposed-conv overlaps and attention window.
 
 make_voice(pcm) cuts the prompt as transformers' feature extractor does (the codec's
-voice_rules), encodes and prefills it once: a voice capsule (save_capsule / CapsuleStore it).
+voice_rules), encodes and prefills it once: a voice capsule (save_capsule / CapsuleStore it);
+make_voice(latents=) prefills stored voice latents without the encoder.
 A reply is sentences, each started from the voice capsule (never re-prefilled) with one noise
 stream running through them: reply(voice, seed), then say(ids) per sentence; speak_long splits
 ids as transformers' split_text does; IncrementalSpeaker speaks an LM's text deltas sentence by
@@ -26,30 +27,35 @@ import torch
 from flashrt.capsules.types import Capsule
 from flashrt.core.rng import seed_rng
 from flashrt.core.session import Session, SessionOptions
-from flashrt.models.loader import assign_weights, fingerprint as model_fingerprint, load_model
+from flashrt.models.loader import (assign_weights, fingerprint as model_fingerprint, load_model,
+                                   select_linear_kernel)
 from flashrt.models.protocol import CodecModel, SynthesizerModel
 from flashrt.models.registry import model_module
 
 CODEC_DIR = "audio_tokenizer"      # where the released checkpoints keep the codec
 
 
-def load_codec(path, device="cpu", dtype=torch.float32) -> tuple[CodecModel, dict]:
-    """A codec checkpoint folder (its own config.json and safetensors) -> (net, fingerprint)."""
+def load_codec(path, device="cpu", dtype=torch.float32, linear_kernel: str = "auto") -> tuple[CodecModel, dict]:
+    """A codec checkpoint folder (its own config.json and safetensors) -> (net, fingerprint).
+    linear_kernel: its projections' matmul path (flashrt.nn.linear.select_linear_kernel)."""
     path = Path(path)
     hf = json.loads((path / "config.json").read_text())
     mod = model_module(hf)
     with torch.device("meta"):
         net = mod.Model(mod.CONFIG.from_hf(hf))
     digest = assign_weights(net, path, torch.device(device), dtype)
+    select_linear_kernel(net, torch.device(device), dtype, linear_kernel)
     return net.eval(), model_fingerprint(net, dtype, digest)
 
 
-def load_synthesizer(path, device="cpu", dtype=None, max_seq_len: int = 1024, **kw) -> "Synthesizer":
-    """A TTS checkpoint directory (model at the root, codec in audio_tokenizer/); kw: Synthesizer's."""
-    lm = load_model(path, device, dtype)
-    codec, codec_fp = load_codec(Path(path) / CODEC_DIR, lm.device, lm.dtype)
+def load_synthesizer(path, device="cpu", dtype=None, max_seq_len: int = 1024, linear_kernel: str = "auto",
+                     **kw) -> "Synthesizer":
+    """A TTS checkpoint directory (model at the root, codec in audio_tokenizer/); kw: Synthesizer's.
+    linear_kernel: the projections' matmul path, both models (see flashrt.load)."""
+    lm = load_model(path, device, dtype, linear_kernel)
+    codec, codec_fp = load_codec(Path(path) / CODEC_DIR, lm.device, lm.dtype, linear_kernel)
     fp = {**lm.fingerprint, "codec": codec_fp["weights"]}
-    return Synthesizer(lm.net, codec, fp, max_seq_len, {"path": str(path)}, **kw)
+    return Synthesizer(lm.net, codec, fp, max_seq_len, {"path": str(path)}, tokenizer=lm.tokenizer, **kw)
 
 
 # ---- sentences ------------------------------------------------------------------------------
@@ -130,7 +136,7 @@ class Synthesizer:
 
     def __init__(self, net: SynthesizerModel, codec: CodecModel, fingerprint: dict | None = None,
                  max_seq_len: int = 1024, provenance: dict | None = None, fade_in: float = 0.005,
-                 voice_rules=None, codec_mark_every: int = 8):
+                 voice_rules=None, codec_mark_every: int = 8, tokenizer=None):
         if not isinstance(net, SynthesizerModel) or not isinstance(codec, CodecModel):
             raise TypeError(f"Synthesizer takes a SynthesizerModel and a CodecModel, got "
                             f"{type(net).__name__} and {type(codec).__name__}")
@@ -154,6 +160,7 @@ class Synthesizer:
         self._fade = torch.linspace(0, 1, n, device=self.device)
         self.voice_rules = voice_rules if voice_rules is not None else getattr(codec, "voice_rules", None)
         self.codec_mark_every = codec_mark_every
+        self.tokenizer = tokenizer     # the checkpoint's (text -> ids), if it was loaded from one
         self._reply: _Reply | None = None
         self._epoch = 0                # bumped when the arena leaves the sentence frames() streams
         self._lock = threading.RLock()
@@ -163,20 +170,29 @@ class Synthesizer:
 
     # ---- prompts ------------------------------------------------------------------------
     @torch.no_grad()
-    def make_voice(self, pcm: torch.Tensor) -> Capsule:
-        """Voice prompt PCM (N,) float32 at sample_rate -> a capsule of its prefilled prefix
+    def make_voice(self, pcm: torch.Tensor | None = None, *, latents: torch.Tensor | None = None) -> Capsule:
+        """Voice prompt PCM (N,) float32 at sample_rate, or its latents (F, latent_dim) as
+        codec.encode gives them (a stored voice) -> a capsule of its prefilled prefix
         [audio_prompt_bos, voice latents]; speak(..., voice=) / reply(voice) start from it."""
+        if (pcm is None) == (latents is None):
+            raise ValueError("make_voice: pass either pcm or latents")
+        if pcm is not None and (pcm.dim() != 1 or pcm.dtype != torch.float32):
+            raise ValueError(f"pcm: expected 1-D float32 samples, got {tuple(pcm.shape)} {pcm.dtype}")
+        if latents is not None and (latents.dim() != 2 or latents.shape[0] == 0
+                                    or latents.shape[1] != self.net.latent_dim):
+            raise ValueError(f"latents: expected (frames >= 1, {self.net.latent_dim}), got "
+                             f"{tuple(latents.shape)}")
         with self._lock:
             self._forget()
-            self._prefill_voice(pcm)
+            self._prefill_voice(pcm, latents)
             return self.session.snapshot()
 
-    def _prefill_voice(self, pcm: torch.Tensor) -> None:
-        if pcm.dim() != 1 or pcm.dtype != torch.float32:
-            raise ValueError(f"pcm: expected 1-D float32 samples, got {tuple(pcm.shape)} {pcm.dtype}")
-        if self.voice_rules is not None:
-            pcm = self.voice_rules.prepare(pcm, self.sample_rate)
-        latents = self.codec.encode(pcm.to(self.device))                       # (F, latent)
+    def _prefill_voice(self, pcm: torch.Tensor | None, latents: torch.Tensor | None = None) -> None:
+        if latents is None:
+            if self.voice_rules is not None:
+                pcm = self.voice_rules.prepare(pcm, self.sample_rate)
+            latents = self.codec.encode(pcm.to(self.device))                   # (F, latent)
+        latents = latents.to(self.device, torch.float32)
         ids = torch.full((latents.shape[0] + 1,), self.net.prompt_id, device=self.device)
         ids[0] = self.net.prompt_bos_id
         voice = torch.cat([latents.new_zeros(1, latents.shape[1]), latents])
@@ -409,7 +425,8 @@ class Synthesizer:
         with self._lock:
             fp = {k: v for k, v in self.fingerprint.items() if k != "layout"}
             other = Synthesizer(self.net, self.codec, fp, self.session.max_seq_len, fade_in=self.fade_in,
-                                voice_rules=self.voice_rules, codec_mark_every=self.codec_mark_every)
+                                voice_rules=self.voice_rules, codec_mark_every=self.codec_mark_every,
+                                tokenizer=self.tokenizer)
             other.session.restore(self.session.snapshot())
             return other
 
