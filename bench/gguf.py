@@ -16,7 +16,9 @@ tarball) does the conversion; this script only prepares what it needs and never 
     python bench/gguf.py --llama-src llama_cpp_python-0.3.36          # default models, float32
     python bench/ttft.py                                               # finds them in the cache
 
-Output: ~/.cache/flashrt/gguf/<arch>-<size>-<dtype>.gguf (the name ttft.py looks for).
+    python bench/gguf.py --llama-src ... --models qwen3_5:real --dtype float32 bfloat16 q8_0   # decode.py
+
+Output: ~/.cache/flashrt/gguf/<arch>-<size>-<dtype>.gguf (the name ttft.py and decode.py look for).
 """
 from __future__ import annotations
 
@@ -31,7 +33,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import common as C  # noqa: E402
 
-OUTTYPE = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
+# q8_0: llama.cpp's 8-bit type (blocks of 32 int8 weights with one fp16 scale: 8.5 bits a
+# weight), the one bench/decode.py sets against flashrt's int8 weights
+OUTTYPE = {"float32": "f32", "bfloat16": "bf16", "float16": "f16", "q8_0": "q8_0"}
 
 # Run in a child process: patch the pre-tokenizer answer, then hand argv to the converter.
 _RUNNER = """
@@ -127,17 +131,19 @@ def main(argv=None) -> int:
                    help="unpacked llama-cpp-python source tarball or llama.cpp checkout")
     p.add_argument("--models", default="qwen3_5:real,qwen3:small,lfm2:small",
                    help="comma list of arch:size (default: ttft.py's CPU models)")
-    p.add_argument("--dtype", default="float32", choices=sorted(OUTTYPE))
+    p.add_argument("--dtype", nargs="+", default=["float32"], choices=sorted(OUTTYPE),
+                   help="weight types of the GGUFs (q8_0: llama.cpp's 8-bit blocks; default float32)")
     p.add_argument("--force", action="store_true")
     a = p.parse_args(argv)
     failed = []
     for m in a.models.split(","):
         arch, size = m.split(":")
-        try:
-            convert(arch, size, a.dtype, a.llama_src, force=a.force)
-        except (RuntimeError, FileNotFoundError) as e:
-            print(e)
-            failed.append(m)
+        for dtype in a.dtype:
+            try:
+                convert(arch, size, dtype, a.llama_src, force=a.force)
+            except (RuntimeError, FileNotFoundError) as e:
+                print(e)
+                failed.append(f"{m} {dtype}")
     if failed:
         print(f"not converted: {', '.join(failed)}")
     return 1 if failed else 0

@@ -20,7 +20,7 @@ from .version import __version__  # noqa: F401
 def load(path, device="cpu", dtype=None, max_seq_len: int = 4096, cuda_graphs: bool = True,
          sessions: int = 1, prefill_chunk: int = 2048, checkpoint_every: int = 1024,
          max_checkpoints: int = 16, seed: int = 0, linear_kernel: str = "auto",
-         compile: bool = False):
+         compile: bool = False, weights: str = "float"):
     """Load a Hugging Face-format checkpoint directory and open a session on it
     (flashrt.lm.load with these settings: the fields of flashrt.lm.Options).
 
@@ -36,13 +36,15 @@ def load(path, device="cpu", dtype=None, max_seq_len: int = 4096, cuda_graphs: b
     after compiling on CUDA; the chosen linear kernels stay whole inside them (one custom op).
     Off by default: each body compiles on first use (seconds to minutes); bench/compile.py
     measures where it pays.
+    weights: "float" (as stored, in dtype) or "int8" (per-row symmetric int8 projections and
+    vocabulary head, float activations; CPU; a capsule is refused across weight formats).
     """
     from .lm import Options, load as _load
     return _load(path, Options(max_seq_len=max_seq_len, prefill_chunk=prefill_chunk,
                                checkpoint_every=checkpoint_every, max_checkpoints=max_checkpoints,
                                device=device, dtype=dtype, linear_kernel=linear_kernel,
                                sessions=sessions, cuda_graphs=cuda_graphs, seed=seed,
-                               compile=compile))
+                               compile=compile, weights=weights))
 
 
 def load_policy(path, device="cpu", dtype=None, seed: int = 0):

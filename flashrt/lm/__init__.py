@@ -20,14 +20,15 @@ from .speculative import SpeculationTarget, SpeculativeDecoder, Speculator  # no
 def load(path, options: Options | None = None, **settings) -> LanguageModel:
     """Load a Hugging Face-format checkpoint directory and open a session on it.
 
-    settings: the fields of Options (max_seq_len, prefill_chunk, device, dtype, sessions, ...),
-    over `options` when both are given. sessions > 1 pre-allocates (and on CUDA pre-captures)
+    settings: the fields of Options (max_seq_len, prefill_chunk, device, dtype, weights, sessions,
+    ...), over `options` when both are given. sessions > 1 pre-allocates (and on CUDA pre-captures)
     that many sessions in total, so fork() never allocates or captures on the hot path."""
     from dataclasses import replace
 
     from flashrt.models.loader import load_model
     opts = replace(options or Options(), **settings) if settings else (options or Options())
-    model = load_model(path, device=opts.device, dtype=opts.dtype, linear_kernel=opts.linear_kernel)
+    model = load_model(path, device=opts.device, dtype=opts.dtype, linear_kernel=opts.linear_kernel,
+                       weights=opts.weights)
     pool = (LanguageModelPool(lambda p: LanguageModel(model, opts, pool=p), opts.sessions - 1)
             if opts.sessions > 1 else None)
     return LanguageModel(model, opts, pool=pool)

@@ -37,6 +37,7 @@ class Options(SessionOptions):
     device: str = "cpu"
     dtype: object = None              # None: float32 on CPU, the config's dtype on CUDA
     linear_kernel: str = "auto"       # see flashrt.nn.linear.select_linear_kernel
+    weights: str = "float"            # "int8": projections and head in int8 (models.loader.load_model)
     sessions: int = 1                 # sessions made at load (fork() takes from them)
     cuda_graphs: bool = True
     graph_max_tokens: int = 64        # steps up to this many tokens replay graphs; longer run eagerly

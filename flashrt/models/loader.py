@@ -16,7 +16,8 @@ import torch
 from safetensors import safe_open
 
 from flashrt.errors import ConfigError, WeightError
-from flashrt.nn.linear import select_linear_kernel
+from flashrt.nn.linear import (INT8_K_MULTIPLE, WEIGHT_FORMATS, Int8Embedding, Int8Weight, Linear,
+                               quantize_int8, select_linear_kernel)
 from .registry import model_module
 from .tokenizer import load_tokenizer
 
@@ -40,6 +41,7 @@ class LoadedModel:
     fingerprint: dict          # fingerprint(): model_type, config, weights, dtype (layout: the arena's)
     info: dict                 # flashrt_checkpoint.json when present (random-weight marker)
     linear_kernel: str = "aten"   # matmul path of every projection (layers.select_linear_kernel)
+    weights: str = "float"        # weight format (nn.linear.WEIGHT_FORMATS); int8: projections + head
 
     @property
     def random_weights(self) -> bool:
@@ -83,7 +85,17 @@ def _eos_ids(path: Path, cfg: dict) -> tuple:
     return tuple(eos) if isinstance(eos, list) else (eos,)
 
 
-def load_model(path, device="cpu", dtype=None, linear_kernel: str = "auto") -> LoadedModel:
+def load_model(path, device="cpu", dtype=None, linear_kernel: str = "auto",
+               weights: str = "float") -> LoadedModel:
+    """weights: "float" (in dtype) or "int8" (CPU): the projections and the vocabulary head as
+    per-row symmetric int8 (nn.linear.quantize_int8, int8_names), run by nn.linear.int8_linear;
+    everything else in dtype. An int8 model is another fingerprint (its "weights" field), so
+    capsules do not cross formats."""
+    if weights not in WEIGHT_FORMATS:
+        raise ValueError(f"weights {weights!r}: expected one of {list(WEIGHT_FORMATS)}")
+    if weights == "int8" and torch.device(device).type != "cpu":
+        raise ValueError(f"weights 'int8' runs on the CPU (torch's int8 weight-only kernel), "
+                         f"not on {torch.device(device).type}")
     path = Path(path)
     if not (path / "config.json").exists():
         raise FileNotFoundError(f"{path}: no config.json (expected a Hugging Face checkpoint directory)")
@@ -96,24 +108,38 @@ def load_model(path, device="cpu", dtype=None, linear_kernel: str = "auto") -> L
     dtype = resolve_dtype(dtype, device, hf.get("torch_dtype") or hf.get("dtype"))
     with torch.device("meta"):
         net = mod.Model(config)
-    digest = assign_weights(net, path, device, dtype)
+    digest = assign_weights(net, path, device, dtype, weights)
     net.eval()
     kernel = select_linear_kernel(net, device, dtype, linear_kernel)
     info_file = path / "flashrt_checkpoint.json"
     info = json.loads(info_file.read_text()) if info_file.exists() else {}
     return LoadedModel(path, net, net.model_type, hf, dtype, device,
                        load_tokenizer(path, config.vocab_size), _eos_ids(path, hf),
-                       fingerprint(net, dtype, digest), info, kernel)
+                       fingerprint(net, dtype, digest, weights), info, kernel, weights)
 
 
-def assign_weights(net, path: Path, device, dtype) -> str:
+def int8_names(net) -> set:
+    """What weights="int8" quantizes: every Linear's weight whose input width the int8 kernel
+    takes (a multiple of INT8_K_MULTIPLE), and the token table when the vocabulary head is tied
+    to it (the head streams it every step; an untied table is only looked up: it stays in dtype)."""
+    names = {f"{n}.weight" for n, m in net.named_modules()
+             if isinstance(m, Linear) and m.in_features % INT8_K_MULTIPLE == 0}
+    if getattr(net.config, "tie_word_embeddings", False) and hasattr(net, "embed_tokens") \
+            and net.config.hidden_size % INT8_K_MULTIPLE == 0:
+        names.add("embed_tokens.weight")
+    return names
+
+
+def assign_weights(net, path: Path, device, dtype, weights: str = "float") -> str:
     """The safetensors of checkpoint directory `path` onto `net`, a meta-device build: each name
     mapped by net.map_weight_name, its shape checked, cast to dtype (float32 for net.fp32_params),
     absent ones allowed by net.optional_weights; then buffers are materialised. Every loader
-    (load_model, a LeRobot policy's) goes through here. Returns weights_digest of the on-disk
+    (load_model, a LeRobot policy's) goes through here. weights "int8": int8_names quantized
+    from the on-disk values, one tensor at a time. Returns weights_digest of the on-disk
     tensors, the fingerprint's "weights"."""
     expected = {k: v for k, v in net.state_dict().items()}
     fp32 = net.fp32_params
+    to_int8 = int8_names(net) if weights == "int8" else set()
     loaded, tensors = {}, []
     for f in _weight_files(Path(path)):
         with safe_open(str(f), framework="pt", device="cpu") as sf:
@@ -129,12 +155,19 @@ def assign_weights(net, path: Path, device, dtype) -> str:
                                       f"model expects {tuple(expected[ours].shape)}")
                 tensors.append((name, t))
                 want = torch.float32 if any(ours.endswith(s) for s in fp32) else dtype
-                loaded[ours] = t.to(device=device, dtype=want)
+                loaded[ours] = (quantize_int8(t.to(device)) if ours in to_int8
+                                else t.to(device=device, dtype=want))
     missing = sorted(set(expected) - set(loaded) - net.optional_weights(set(loaded)))
     if missing:
         raise WeightError(f"missing weight(s): {missing[:8]}{' ...' if len(missing) > 8 else ''}")
     net.on_weights_loaded(set(loaded))
+    q8 = {n: loaded.pop(n) for n in [n for n, t in loaded.items() if isinstance(t, Int8Weight)]}
     net.load_state_dict(loaded, strict=False, assign=True)
+    for name, q in q8.items():      # set as it is: assign would ask an int8 tensor for gradients
+        owner, _, leaf = name.rpartition(".")
+        setattr(net.get_submodule(owner), leaf, q)
+    if "embed_tokens.weight" in q8:
+        net.embed_tokens = Int8Embedding(net.embed_tokens.weight, dtype)
     still_meta = [n for n, p in net.named_parameters() if p.is_meta]
     if still_meta:   # optional weights that were absent: the model must have dropped their modules
         raise WeightError(f"parameters left without weights: {still_meta[:8]}")
@@ -142,15 +175,17 @@ def assign_weights(net, path: Path, device, dtype) -> str:
     return weights_digest(tensors)
 
 
-def fingerprint(net, dtype: torch.dtype, weights: str | None = None) -> dict:
+def fingerprint(net, dtype: torch.dtype, weights: str | None = None, fmt: str = "float") -> dict:
     """What decides whether a capsule fits a model (the layout is the arena's): its model_type,
     a digest of its config, the weights digest and the dtype. weights: assign_weights' digest of
     the on-disk tensors; None (a model built in memory, e.g. random weights) digests the
-    parameters as they are, named as the model names them."""
+    parameters as they are, named as the model names them. fmt (the weight format) other than
+    "float" is part of "weights" ("sha256:...+int8"): other weights run, other state follows."""
     if weights is None:
         weights = weights_digest([(n, t.detach().cpu()) for n, t in net.state_dict().items()])
     cfg = hashlib.sha256(json.dumps(asdict(net.config), sort_keys=True, default=str).encode())
-    return {"model_type": net.model_type, "config": cfg.hexdigest()[:16], "weights": weights,
+    return {"model_type": net.model_type, "config": cfg.hexdigest()[:16],
+            "weights": weights if fmt == "float" else f"{weights}+{fmt}",
             "dtype": str(dtype).replace("torch.", "")}
 
 

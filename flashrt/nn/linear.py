@@ -1,6 +1,10 @@
 """Projection matmuls: one `linear` every model file's projections and heads call, and the
 choice of kernel per load (oneDNN, the extension's small-M kernel, or F.linear), probed once.
 
+Weights in 8 bits (load(..., weights="int8")): an `Int8Weight` carries its per-row scale, and
+`linear` sends it to `int8_linear` (torch's int8 weight-only kernel for a few rows, the float
+GEMM on dequantized weights for a prefill chunk); `Int8Embedding` is a tied table's lookup.
+
 The compile custom op keeps the chosen kernel whole inside torch.compile'd bodies."""
 from __future__ import annotations
 
@@ -12,6 +16,7 @@ from flashrt import native
 
 
 LINEAR_KERNELS = ("aten", "onednn", "flashrt")
+WEIGHT_FORMATS = ("float", "int8")      # "float": the weights in the model's dtype
 # "flashrt" resolves to this for bf16 weights where oneDNN has no bf16 inner product (AVX2-only
 # CPUs): there F.linear's bf16 GEMM runs ~0.5 ms per row of a 3584x1024 weight (bench/linear.py)
 WIDEN = "flashrt-widen"
@@ -33,7 +38,11 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, kern
     extension's small-M kernel: float32 at 2..SMALL_M_MAX rows, bf16 weights at
     1..SMALL_M_MAX_BF16 (summed in float32, rounded to bf16 once); WIDEN: bf16 weights at
     1..SMALL_M_MAX rows on the small-M kernel, longer steps on oneDNN in float32 from weights
-    widened per call (exact), rounded to bf16 once; "aten": F.linear."""
+    widened per call (exact), rounded to bf16 once; "aten": F.linear. An Int8Weight w goes to
+    int8_linear whatever the kernel."""
+    if isinstance(w, Int8Weight):
+        y = int8_linear(x, w, kernel)
+        return y if b is None else y + b
     if kernel != "aten" and torch.compiler.is_compiling():
         y = torch.ops.flashrt.linear(x, w, kernel)    # opaque to inductor: our kernels, not F.linear
         return y if b is None else y + b
@@ -53,6 +62,75 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, kern
         return y if b is None else y + b
     y = y if b is None else y + b          # float32 + a bf16 bias: still float32
     return y.to(x.dtype)
+
+
+class Int8Weight(nn.Parameter):
+    """An (out, in) int8 weight with its per-row bf16 scale (out,): w ~= q * scale[:, None],
+    symmetric, |q| <= 127 (quantize_int8). What a Linear, or a tied vocabulary table, holds
+    under weights="int8"; linear() reads the scale from it."""
+
+    def __new__(cls, q: torch.Tensor, scale: torch.Tensor):
+        t = super().__new__(cls, q, requires_grad=False)
+        t.scale = scale
+        return t
+
+
+# torch's int8 kernel steps k by 16 with no tail (any other width reads past the row) and
+# is vectorized for bf16 activations only (float32 runs a scalar loop, ~15x slower)
+INT8_K_MULTIPLE = 16
+# rows of a step on the int8 kernel: it re-reads the weights every 4 rows (a 14.7M-weight
+# matrix, 1 thread: 3.4 ms at 16 rows, 46 at 64, where dequantizing + a GEMM takes ~11)
+INT8_MAX_ROWS = 32
+
+
+def quantize_int8(w: torch.Tensor) -> Int8Weight:
+    """Per output row: scale = max|w| / 127 rounded to bf16 (a zero row: 1), q = round(w /
+    scale) in float32, clamped to +-127; deterministic. w: (out, in), any float dtype, in a
+    multiple of INT8_K_MULTIPLE."""
+    if w.dim() != 2 or w.shape[1] % INT8_K_MULTIPLE:
+        raise ValueError(f"quantize_int8: an (out, in) weight with in a multiple of "
+                         f"{INT8_K_MULTIPLE}, got shape {tuple(w.shape)}")
+    wf = w.float()
+    amax = wf.abs().amax(dim=1)
+    scale = torch.where(amax > 0, amax / 127, torch.ones_like(amax)).to(torch.bfloat16)
+    q = torch.round(wf / scale.float()[:, None]).clamp_(-127, 127).to(torch.int8)
+    return Int8Weight(q.contiguous(), scale)
+
+
+def dequantize_int8(w: Int8Weight) -> torch.Tensor:
+    """The float32 weights w stands for, exactly (a 7-bit integer times an 8-bit-mantissa
+    scale fits float32's 24 bits)."""
+    return w.float() * w.scale.float()[:, None]
+
+
+def int8_linear(x: torch.Tensor, w: Int8Weight, kernel: str = "aten") -> torch.Tensor:
+    """x (..., in) @ dequant(w).T -> (..., out) in x's dtype. Up to INT8_MAX_ROWS rows: torch's
+    weight-only int8 kernel (what torchao and gpt-fast call), which takes x rounded to bf16,
+    sums in float32 and rounds the result to bf16. More rows (a prefill chunk): `kernel`'s
+    float32 GEMM on dequantize_int8(w) made for the call, x in float32."""
+    x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])     # (M, in); a step's x is 2-D
+    if x2.shape[0] > INT8_MAX_ROWS:
+        y = linear(x2.float(), dequantize_int8(w), None, kernel)
+    else:
+        xb = x2.to(torch.bfloat16)
+        if not xb.is_contiguous() or xb.data_ptr() % 64:    # the kernel's loads of x are aligned
+            xb = xb.clone(memory_format=torch.contiguous_format)
+        y = torch.ops.aten._weight_int8pack_mm(xb, w, w.scale)
+    y = y.to(x.dtype)
+    return y if x.dim() == 2 else y.view(*x.shape[:-1], w.shape[0])
+
+
+class Int8Embedding(nn.Module):
+    """A token-embedding table in int8 whose rows are dequantized on lookup (to `dtype`); under
+    tied embeddings the vocabulary head multiplies by the same Int8Weight through linear()."""
+
+    def __init__(self, weight: Int8Weight, dtype: torch.dtype):
+        super().__init__()
+        self.weight, self.dtype = weight, dtype
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:        # (T,) -> (T, hidden)
+        w = self.weight
+        return (w[ids].float() * w.scale[ids, None].float()).to(self.dtype)
 
 
 @torch.library.custom_op("flashrt::linear", mutates_args=())
