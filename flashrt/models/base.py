@@ -9,7 +9,7 @@ from flashrt.core.arena import BufferSpec  # noqa: F401
 from flashrt.core.rng import normal  # noqa: F401
 from flashrt.core.step import StepCtx  # noqa: F401
 from flashrt.nn.layers import (QKNormAttention, RMSNorm, Rotary, SwiGLU, apply_rotary,  # noqa: F401
-                               attend_cached, depthwise_causal_conv)
+                               attend_cached, depthwise_causal_conv, rotary_tables, rotate)
 from flashrt.nn.linear import Linear, linear  # noqa: F401
 from flashrt.nn.linear_attn import (causal_conv, chunk_gated_delta_rule, fast_kernels,  # noqa: F401
                                     recurrent_gated_delta_rule)

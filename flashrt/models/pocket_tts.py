@@ -11,6 +11,8 @@ A SynthesizerModel (models/protocol.py). Numerics follow transformers' pocket_tt
   tts.countdown            meta (1,) int64: frames left after end of speech, -1 before it
   tts.eos_rule             meta (2,) int64: [frames_after_eos, min_frames_before_eos]
   tts.sampling             meta (2,) float32: [noise scale sqrt(temperature), eos threshold]
+Beyond the protocol's inputs, forward({"frames": (T, latent_dim)}) re-runs T frames whose
+latents are known in one pass (a re-prefill; bench/tts.py's baseline for barge-in rollback).
 """
 from __future__ import annotations
 
@@ -21,8 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .base import (BufferSpec, InputSpec, Linear, Rotary, StepCtx, SynthesizerModel, apply_rotary,
-                   attend_cached, check, check_rope, normal, require)
+from .base import (BufferSpec, InputSpec, Linear, Rotary, StepCtx, SynthesizerModel, attend_cached,
+                   check, check_rope, normal, require, rotary_tables, rotate)
 
 ACTS = {"gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "gelu": F.gelu,
         "silu": F.silu}
@@ -104,10 +106,10 @@ class Attention(nn.Module):
         self.o_proj = Linear(self.h * self.d, c.hidden_size, bias=b)
         self.k_name, self.v_name = f"layers.{idx}.attn.k", f"layers.{idx}.attn.v"
 
-    def forward(self, x, ctx: StepCtx, state, cos, sin):
+    def forward(self, x, ctx: StepCtx, state, rope):
         T = x.shape[0]                                               # x: (T, hidden)
-        q = apply_rotary(self.q_proj(x).view(T, self.h, self.d), cos, sin)
-        k = apply_rotary(self.k_proj(x).view(T, self.kv, self.d), cos, sin)
+        q = rotate(self.q_proj(x).view(T, self.h, self.d), rope)
+        k = rotate(self.k_proj(x).view(T, self.kv, self.d), rope)
         v = self.v_proj(x).view(T, self.kv, self.d)
         o = attend_cached(q, k, v, state[self.k_name], state[self.v_name], ctx, self.d ** -0.5)
         return self.o_proj(o.reshape(T, self.h * self.d))
@@ -122,12 +124,6 @@ class MLP(nn.Module):
 
     def forward(self, x):
         return self.fc2(self.act(self.fc1(x)))
-
-
-def flow_norm(x, weight=None, bias=None, eps=1e-6):
-    """The flow head's LayerNorm, written out as transformers' PocketTTSFlowLayerNorm is."""
-    x = (x - x.mean(-1, keepdim=True)) * torch.rsqrt(x.var(-1, unbiased=False, keepdim=True) + eps)
-    return x if weight is None else x * weight + bias
 
 
 class TimestepNorm(nn.Module):
@@ -164,10 +160,10 @@ class FlowResBlock(nn.Module):
         self.adaln_proj = Linear(w, 3 * w)
         self.act = ACTS[c.flow_act]
 
-    def forward(self, h, cond):
-        shift, scale, gate = self.adaln_proj(self.act(cond)).chunk(3, dim=-1)
-        m = flow_norm(h, self.norm.weight, self.norm.bias, self.norm.eps) * (1 + scale) + shift
-        return h + gate * self.fc2(self.act(self.fc1(m)))
+    def forward(self, h, cond):                                 # cond: act(condition)
+        shift, scale, gate = self.adaln_proj(cond).chunk(3, dim=-1)
+        m = F.layer_norm(h, h.shape[-1:], self.norm.weight, self.norm.bias, self.norm.eps)
+        return torch.addcmul(h, gate, self.fc2(self.act(self.fc1(torch.addcmul(shift, m, 1 + scale)))))
 
 
 class FlowFinalLayer(nn.Module):
@@ -176,11 +172,11 @@ class FlowFinalLayer(nn.Module):
         w = c.flow_hidden_size
         self.adaln_proj = Linear(w, 2 * w)
         self.proj = Linear(w, c.latent_dim)
-        self.act, self.eps = ACTS[c.flow_act], c.flow_ln_eps
+        self.eps = c.flow_ln_eps
 
-    def forward(self, h, cond):
-        shift, scale = self.adaln_proj(self.act(cond)).chunk(2, dim=-1)
-        return self.proj(flow_norm(h, eps=self.eps) * (1 + scale) + shift)
+    def forward(self, h, cond):                                 # cond: act(condition)
+        shift, scale = self.adaln_proj(cond).chunk(2, dim=-1)
+        return self.proj(torch.addcmul(shift, F.layer_norm(h, h.shape[-1:], eps=self.eps), 1 + scale))
 
 
 class FlowHead(nn.Module):
@@ -194,11 +190,13 @@ class FlowHead(nn.Module):
         self.timestep_embeddings = nn.ModuleList(TimestepEmbedding(c) for _ in range(n_times))
         self.layers = nn.ModuleList(FlowResBlock(c) for _ in range(c.flow_layers))
         self.final_layer = FlowFinalLayer(c)
+        self.act = ACTS[c.flow_act]
 
     def forward(self, x, cond, times=()):                       # x (B, latent), cond (B, hidden)
         h, cond = self.input_proj(x), self.cond_proj(cond)
         if times:
             cond = cond + sum(e(t) for e, t in zip(self.timestep_embeddings, times)) / len(times)
+        cond = self.act(cond)                       # what every adaLN projection reads: once
         for layer in self.layers:
             h = layer(h, cond)
         return self.final_layer(h, cond)
@@ -213,8 +211,8 @@ class Block(nn.Module):
         self.post_attention_layernorm = nn.LayerNorm(c.hidden_size, eps=c.layer_norm_eps)
         self.mlp = MLP(c)
 
-    def forward(self, x, ctx, state, cos, sin):
-        x = x + self.self_attn(self.input_layernorm(x), ctx, state, cos, sin)
+    def forward(self, x, ctx, state, rope):
+        x = x + self.self_attn(self.input_layernorm(x), ctx, state, rope)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -277,9 +275,9 @@ class Model(SynthesizerModel):
         return latents * self.latent_std + self.latent_mean
 
     def backbone(self, x, ctx, state, all_positions=False):
-        cos, sin = self.rotary(ctx.positions, x.dtype)                   # x: (T, hidden)
+        rope = rotary_tables(*self.rotary(ctx.positions, x.dtype))       # x: (T, hidden)
         for layer in self.model.layers:
-            x = layer(x, ctx, state, cos, sin)
+            x = layer(x, ctx, state, rope)
         return self.model.norm(x if all_positions else x[-1:])           # (T or 1, hidden)
 
     def sample_latent(self, cond, noise):
@@ -295,6 +293,8 @@ class Model(SynthesizerModel):
     def forward(self, inputs, ctx, state, all_positions=False):
         if "ids" in inputs:
             return self._prompt(inputs, ctx, state, all_positions)
+        if "frames" in inputs:
+            return self._replay(inputs["frames"], ctx, state)
         return self._frame(inputs.get("noise"), ctx, state)
 
     def _prompt(self, inputs, ctx, state, all_positions):
@@ -305,6 +305,19 @@ class Model(SynthesizerModel):
             x = torch.where((ids == self.prompt_id)[:, None], voice, x)
         self._write_rows(state[self.history], torch.zeros_like(x[:, : self.latent_dim]).float(), ctx)
         h = self.backbone(x, ctx, state, all_positions)
+        return {"hidden": h, "eos_logit": self.eos_head(h)[:, 0].float()}
+
+    def _replay(self, latents, ctx, state):
+        """ctx.T frames whose normalised latents (T, latent_dim) are known, in one pass (a
+        re-prefill): inputs as _frame's (the latent before; the BOS latent at frame 0), history
+        rows written, frame counter advanced; nothing sampled, the end-of-speech rule not run."""
+        hist, frame, bos = state[self.history], state["tts.frame"], self.model.bos_latent
+        prev = hist.index_select(0, (ctx.positions[:1] - 1).clamp(min=0))            # (1, latent)
+        prev = torch.where(frame == 0, bos[None].float(), prev)
+        x = torch.cat([prev, latents[:-1].float()]).to(bos.dtype)                     # (T, latent)
+        h = self.backbone(self.model.audio_latent_proj(x), ctx, state, all_positions=True)
+        self._write_rows(hist, latents.float(), ctx)
+        frame.add_(ctx.T)
         return {"hidden": h, "eos_logit": self.eos_head(h)[:, 0].float()}
 
     def _frame(self, noise, ctx, state):

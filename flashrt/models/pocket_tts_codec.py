@@ -18,9 +18,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .base import BufferSpec, CodecModel, InputSpec, Rotary, apply_rotary, check, check_rope, require
+from .base import (BufferSpec, CodecModel, InputSpec, Linear, Rotary, check, check_rope, require,
+                   rotary_tables, rotate)
 
 ACTS = {"gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "gelu": F.gelu}
+# torch's CPU transposed convolution runs grouped ones, and inputs of fewer elements than this,
+# on its native col2im path (ConvParams::use_mkldnn): 1.5-3x slower than one GEMM or product
+SMALL_CONV = 20480
 
 
 # ---- config -------------------------------------------------------------------------------
@@ -156,15 +160,19 @@ class ConvTr(nn.Module):
         self.stride, self.overlap, self.buf = stride, k - stride, ""
 
     def stream(self, x, state):                            # x (C_in, T) -> (C_out, T * stride)
-        c, s = self.conv, self.stride
-        if c.groups == x.shape[0] == c.out_channels and self.overlap == s:
-            # depthwise, k = 2s (the latent upsampler): an outer product and one shifted add;
-            # torch's CPU grouped transposed conv takes a slow path (~4 ms a frame at 512 ch)
-            z = (x[:, :, None] * c.weight[:, 0, None, :]).reshape(x.shape[0], -1, 2, s)
+        c, s, T = self.conv, self.stride, x.shape[1]
+        depthwise = c.groups == x.shape[0] == c.out_channels
+        if self.overlap == s and (depthwise or (c.groups == 1 and x.numel() < SMALL_CONV)):
+            # k = 2s: input step t writes outputs [ts, ts + 2s), two blocks of s: products
+            # z (C_out, T, 2, s), then one shifted add
+            if depthwise:                  # the latent upsampler: an outer product
+                z = (x[:, :, None] * c.weight[:, 0, None, :]).view(x.shape[0], T, 2, s)
+            else:                          # one GEMM on the weight as stored: x^T (C_in, C_out k)
+                z = (x.t() @ c.weight.view(x.shape[0], -1)).view(T, -1, 2, s).transpose(0, 1)
             y = F.pad(z[:, :, 0].flatten(1), (0, s)) + F.pad(z[:, :, 1].flatten(1), (s, 0))
         else:
             y = F.conv_transpose1d(x, c.weight, None, s, groups=c.groups)
-        tail, n = state[self.buf], x.shape[1] * self.stride
+        tail, n = state[self.buf], T * s
         y[:, : self.overlap] += tail
         tail.copy_(y[:, n:])
         y = y[:, :n]
@@ -200,20 +208,21 @@ class Attention(nn.Module):
     def __init__(self, c: CodecConfig):
         super().__init__()
         self.h, self.d, w = c.num_attention_heads, c.head_dim, c.hidden_size
-        self.q_proj, self.k_proj = nn.Linear(w, self.h * self.d, bias=False), nn.Linear(w, self.h * self.d, bias=False)
-        self.v_proj, self.o_proj = nn.Linear(w, self.h * self.d, bias=False), nn.Linear(self.h * self.d, w, bias=False)
+        self.q_proj, self.k_proj = Linear(w, self.h * self.d, bias=False), Linear(w, self.h * self.d, bias=False)
+        self.v_proj, self.o_proj = Linear(w, self.h * self.d, bias=False), Linear(self.h * self.d, w, bias=False)
 
-    def forward(self, x, cos, sin, kw, vw, visible):
+    def forward(self, x, rope, kw, vw, visible):
         """x (T, hidden); kw, vw (W - 1, H, D): the window before x, advanced in place;
         visible (T, W - 1 + T) bool: key j is in query t's window."""
         T = x.shape[0]
-        q = apply_rotary(self.q_proj(x).view(T, self.h, self.d), cos, sin)
-        k = apply_rotary(self.k_proj(x).view(T, self.h, self.d), cos, sin)
+        q = rotate(self.q_proj(x).view(T, self.h, self.d), rope)
+        k = rotate(self.k_proj(x).view(T, self.h, self.d), rope)
         K, V = torch.cat([kw, k]), torch.cat([vw, self.v_proj(x).view(T, self.h, self.d)])
         kw.copy_(K[K.shape[0] - kw.shape[0]:])
         vw.copy_(V[V.shape[0] - vw.shape[0]:])
-        o = F.scaled_dot_product_attention(q.transpose(0, 1), K.transpose(0, 1), V.transpose(0, 1),
-                                           attn_mask=visible, scale=self.d ** -0.5)
+        # batched (1, H, T, D): CPU SDPA runs unbatched masked inputs 1.5x slower
+        q, K, V = q.transpose(0, 1)[None], K.transpose(0, 1)[None], V.transpose(0, 1)[None]
+        o = F.scaled_dot_product_attention(q, K, V, attn_mask=visible, scale=self.d ** -0.5)[0]
         return self.o_proj(o.transpose(0, 1).reshape(T, self.h * self.d))
 
 
@@ -225,12 +234,12 @@ class TransformerLayer(nn.Module):
         self.self_attn = Attention(c)
         self.post_attention_layernorm = nn.LayerNorm(w, eps=c.norm_eps)
         self.mlp = nn.Module()
-        self.mlp.fc1, self.mlp.fc2 = nn.Linear(w, c.intermediate_size, bias=False), nn.Linear(c.intermediate_size, w, bias=False)
+        self.mlp.fc1, self.mlp.fc2 = Linear(w, c.intermediate_size, bias=False), Linear(c.intermediate_size, w, bias=False)
         self.self_attn_layer_scale, self.mlp_layer_scale = LayerScale(w), LayerScale(w)
         self.act = ACTS[c.hidden_act]
 
-    def forward(self, x, cos, sin, kw, vw, visible):
-        x = x + self.self_attn_layer_scale(self.self_attn(self.input_layernorm(x), cos, sin, kw, vw, visible))
+    def forward(self, x, rope, kw, vw, visible):
+        x = x + self.self_attn_layer_scale(self.self_attn(self.input_layernorm(x), rope, kw, vw, visible))
         h = self.mlp.fc2(self.act(self.mlp.fc1(self.post_attention_layernorm(x))))
         return x + self.mlp_layer_scale(h)
 
@@ -247,9 +256,9 @@ class Transformer(nn.Module):
         qpos = pos0 + torch.arange(T, device=x.device)
         kpos = pos0 - (W - 1) + torch.arange(W - 1 + T, device=x.device)
         visible = (kpos[None] >= 0) & (kpos[None] <= qpos[:, None]) & (kpos[None] > qpos[:, None] - W)
-        cos, sin = rotary(qpos, x.dtype)
+        rope = rotary_tables(*rotary(qpos, x.dtype))
         for layer, (kw, vw) in zip(self.layers, windows):
-            x = layer(x, cos, sin, kw, vw, visible)
+            x = layer(x, rope, kw, vw, visible)
         return x
 
 

@@ -79,6 +79,21 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return torch.cat((out, xp), dim=-1) if xp.shape[-1] else out
 
 
+def rotary_tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin (T, D) of a full-width rope -> (cos, sin with its first half negated), each
+    (T, 1, D): what rotate() takes, built once per step."""
+    half = sin.shape[-1] // 2
+    return cos[:, None], torch.cat([-sin[:, :half], sin[:, half:]], -1)[:, None]
+
+
+def rotate(x: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """apply_rotary of a full-width rope in 4 ops instead of 11: rotate_half(x) * sin equals
+    x.roll(D / 2) * sin_signed product for product, so the result is bitwise apply_rotary's.
+    x (T, H, D); tables: rotary_tables(cos, sin)."""
+    cos, sin_signed = tables
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * sin_signed
+
+
 def attend_cached(q, k, v, k_cache, v_cache, ctx: StepCtx, scale: float) -> torch.Tensor:
     """Write this step's K/V into the arena at ctx.positions, then attend causally.
 
