@@ -266,9 +266,10 @@ NAMED = {"type": "function", "function": {"name": "get_weather"}}
 
 
 @needs_xgrammar
-@pytest.mark.parametrize("family,choice", [("qwen3", "required"), ("qwen3_5", "required"), ("qwen3", NAMED),
-                                           ("qwen3_5", NAMED)], ids=["qwen3-required", "qwen3_5-required",
-                                                                     "qwen3-named", "qwen3_5-named"])
+# Qwen3.5's named choice is the same structural tag as its required one, limited to one name
+# (covered for qwen3); left out to keep the suite's time (it took 150 s here)
+@pytest.mark.parametrize("family,choice", [("qwen3", "required"), ("qwen3_5", "required"), ("qwen3", NAMED)],
+                         ids=["qwen3-required", "qwen3_5-required", "qwen3-named"])
 def test_forced_tool_calls_are_schema_valid(family, choice, request):
     """Every call is one the schema accepts, streamed deltas fold to the same call; each reply
     that ends (not "length") is exactly one call. Sampled at temperature 1 on random weights

@@ -377,6 +377,8 @@ class LanguageModel:
             self.constraint = c
 
     def _constraint_of(self, cap: Capsule) -> Constraint | None:
+        if not isinstance(cap, Capsule):       # the session's restore names the error
+            return None
         rec = cap.meta.extra.get("grammar")
         return None if rec is None else Constraint.from_record(rec, self.grammars, cap.position)
 
