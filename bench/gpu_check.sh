@@ -131,25 +131,32 @@ step 1 30 "CUDA tests: segment copy, Triton decode attention" bash -c "cd tests 
   -q -rfEs --tb=short -p no:cacheprovider test_native.py test_decode_attention.py -k cuda"
 
 # ---- stage 2: benchmarks, most valuable first (qwen3_5 only: qwen3 and lfm2 do not fit) --------
-step 2 33 "checkpoint qwen3_5 real (random weights)" bash -c "ckpt qwen3_5"
-step 2 73 "ttft qwen3_5 real: capsule vs cold, 2k-16k" bash -c "ttft qwen3_5"
+step 2 28 "checkpoint qwen3_5 real (random weights)" bash -c "ckpt qwen3_5"
+step 2 61 "ttft qwen3_5 real: capsule vs cold, 2k-16k" bash -c "ttft qwen3_5"
 # positions 1 (the 19.6 MiB fixed state alone), 1024 and 16384 (the issue's 0.5 ms target). No
 # disk tier: ~3 GB of fsync'd writes at 16k would risk the cap, and the JSON is written per size
-step 2 29 "capsules qwen3_5 on cuda: device/host tiers, 1-16k tokens" "$PY" bench/capsules.py \
+step 2 26 "capsules qwen3_5 on cuda: device/host tiers, 1-16k tokens" "$PY" bench/capsules.py \
   --device cuda --dtype bfloat16 --arch qwen3_5 --size real --mib 1 --tokens 1024 16384 --no-disk \
   --repeats 3 --no-progress \
   --out "$RES/capsules-cuda.json"
 step 2 15 "policy smolvla small on cuda: chunk stages, control rate, reset" "$PY" bench/policy.py \
   --device cuda --size small --repeats 3 --lerobot-python "" --no-progress --out "$RES/policy-cuda.json"
-step 2 29 "models qwen3_5: graph vs eager, vs transformers" "$PY" bench/models.py --device cuda \
+step 2 25 "models qwen3_5: graph vs eager, vs transformers" "$PY" bench/models.py --device cuda \
   --dtype bfloat16 --arch qwen3_5 --size real --prefill 512 2048 --repeats 3 --decode-steps 16 \
   --no-progress --out "$RES/models-cuda.json"
 # streaming ASR at the released shape (its 2.5 GB random checkpoint made here, ~10 s), lookahead 6
 # only, one timed round: RTF against transformers' streaming generate on the same weights, the
 # endpoint fork against waiting out the lookahead, capsule copies. 30 s taken from the caps above
 # (ckpt 7, ttft 12, capsules 6, models 6); the JSON is written after each section
-step 2 30 "asr nemotron real on cuda: RTF vs transformers at lookahead 6, endpoint fork" "$PY" \
+step 2 27 "asr nemotron real on cuda: RTF vs transformers at lookahead 6, endpoint fork" "$PY" \
   bench/asr.py --device cuda --lookaheads 6 --repeats 1 --no-progress --out "$RES/asr-cuda.json"
+# Pocket TTS at the released shape (its 0.45 GB random checkpoint made here, a few seconds), one
+# timed round, short runs (8 frames streamed; 5 of 10 played at the barge-in): time to first audio
+# (WAV, latents, voice capsule), RTF against transformers, rollback. 27 s taken from the caps
+# above (ckpt 5, ttft 12, capsules 3, models 4, asr 3); the JSON is written after each section
+step 2 24 "tts pocket_tts real on cuda: TTFA from a voice capsule, RTF vs transformers" "$PY" \
+  bench/tts.py --device cuda --frames 8 --made 10 --played 5 --repeats 1 --warmup 0 --no-progress \
+  --out "$RES/tts-cuda.json"
 
 echo; echo "=== done in $(now)s ==="
 publish

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Makes the real-speech test audio in tests/data/speech/ (16 kHz mono 16-bit WAV, read by
 # tests/test_speech_vad.py and tests/test_voice_agent.py with Python's wave module, and the
-# voice_*.wav user turns by examples/voice_agent.py): espeak-ng speaks, sox resamples, adds
-# quiet noise in repeatable mode (-R: same bytes each run) and joins the pieces with silences.
+# voice_*.wav user turns by examples/voice_agent.py and bench/voice.py): espeak-ng speaks, sox
+# resamples, adds quiet noise in repeatable mode (-R: same bytes each run) and joins the pieces
+# with silences.
 # Needs Debian's espeak-ng and sox (apt-get install -y espeak-ng sox). Output is committed; rerun
 # only to change it (another espeak-ng or sox version may give other bytes).
 #
@@ -55,4 +56,14 @@ join "$OUT/voice_hello.wav" g300.wav hear.wav g300.wav
 join "$OUT/voice_pause.wav" g300.wav lights.wav g250.wav lights2.wav g300.wav
 join "$OUT/voice_weather.wav" g300.wav weather.wav g300.wav
 join "$OUT/voice_interrupt.wav" g70.wav stop.wav g300.wav
+# more user turns for bench/voice.py's 8-turn conversation (voice_hello, voice_pause, voice_timer,
+# voice_weather interrupted by voice_interrupt, voice_music, voice_remind, voice_thanks)
+say timer en-us "Set a timer for ten minutes."
+say music en-gb "Play some quiet music in the living room."
+say remind en-us "Remind me to call my sister tonight."
+say thanks en-gb "Thanks, that is all for now."
+join "$OUT/voice_timer.wav" g300.wav timer.wav g300.wav
+join "$OUT/voice_music.wav" g300.wav music.wav g300.wav
+join "$OUT/voice_remind.wav" g300.wav remind.wav g300.wav
+join "$OUT/voice_thanks.wav" g300.wav thanks.wav g300.wav
 for f in "$OUT"/*.wav; do echo "$f: $(soxi -D "$f") s, $(stat -c %s "$f") bytes"; done

@@ -142,3 +142,99 @@ def test_asr_bench_quick(tmp_path):
         assert x["fork_continues_bitwise"], R
     cap = d["capsule"]
     assert cap["same_size_everywhere"] and cap["bytes"] >= sum(cap["by_kind"].values()) > 0
+
+
+def test_tts_bench_quick(tmp_path):
+    """bench/tts.py end to end on the tiny Pocket TTS checkpoint: the first frame is the same from
+    a WAV, stored latents and a voice capsule; the split frame loop is frames(); transformers'
+    loop (noise passed in) is its generate and is flashrt's within tolerance; rollback_to_played
+    equals regenerating the played frames; capsule sizes add up. Timings recorded, not asserted."""
+    pytest.importorskip("transformers")
+    out = tmp_path / "tts.json"
+    r = subprocess.run([sys.executable, "bench/tts.py", "--quick", "--no-progress", "--out", str(out)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "random weights" in r.stdout
+    d = json.loads(out.read_text())["data"]
+    assert d["size"] == "tiny" and not d.get("partial")
+    tt = d["ttfa"]
+    assert set(tt["stats"]) == {f"{s} {k}" for s in ("flashrt", "transformers") for k in ("wav", "latents")} \
+        | {"flashrt capsule", "transformers voice cache"}
+    assert all(s["median_ms"] > 0 for s in tt["stats"].values())
+    idn = tt["identity"]
+    assert idn["same_first_frame_wav_latents_capsule"]
+    assert idn["voice_latents_rel_diff"] < 1e-4 and idn["first_frame_rel_diff"] < 1e-4
+    assert idn["voice_cache_first_frame_rel_diff"] < 1e-4
+    rtf = d["rtf"]
+    assert rtf["identity"]["split_equals_frames"] and rtf["flashrt_rtf"] > 0 and rtf["transformers_rtf"] > 0
+    assert rtf["identity"]["transformers_loop_vs_generate_max_diff"] < 1e-5
+    assert rtf["identity"]["latents_max_diff"] < 1e-3 and rtf["identity"]["pcm_rel_diff"] < 1e-3
+    sen = d["sentences"]["stats"]
+    assert set(sen) == {"flashrt", "transformers re-prefill", "transformers voice cache"}
+    assert all(len(v) == 5 for v in sen.values())
+    bi = d["barge_in"]
+    assert bi["identity"]["rollback_equals_regenerated"] and bi["identity"]["reprefill_latents_equal"]
+    assert bi["identity"]["reprefill_kv_max_diff"] < 1e-4
+    assert set(bi["stats"]) == {"rollback_to_played", "re-prefill prompt + played", "regenerate played frames",
+                                "transformers re-prefill"}
+    cap = d["capsules"]
+    assert cap["voice_bytes"] < cap["mid_bytes"] and cap["mid_delta_bytes"] < cap["mid_bytes"]
+    assert cap["mid_bytes"] >= sum(cap["mid_by_kind"].values()) > cap["codec_bytes"] > 0
+
+
+def test_decode_bench_quick(tmp_path):
+    """bench/decode.py end to end on the tiny checkpoint: every format and position timed for
+    flashrt, transformers in the float formats only, llama.cpp run or skipped with its reason,
+    and the int8 quality table on the shipped trained model. Timings are recorded, not asserted."""
+    pytest.importorskip("transformers")
+    out = tmp_path / "decode.json"
+    r = subprocess.run([sys.executable, "bench/decode.py", "--quick", "--no-progress", "--out", str(out)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "random weights" in r.stdout and "Acceptance (issue)" in r.stdout
+    d = json.loads(out.read_text())["data"]
+    assert [x["format"] for x in d["runs"]] == ["float32", "bfloat16", "int8"]
+    for run in d["runs"]:
+        assert [int(P) for P in run["rows"]] == d["positions"]
+        for row in run["rows"].values():
+            assert row["flashrt"]["ms_per_token"] > 0 and row["bytes"] > 0
+            assert (row["transformers"] is None) == (run["weights"] == "int8")
+            assert (row["llama.cpp"] is None) == bool(run["notes"]["llama.cpp"])
+    forms = d["quality"]["forms"]
+    assert forms["bfloat16"]["loss_change"] == 0 and forms["bfloat16"]["agree_teacher_forced"] == 1
+    assert abs(forms["int8"]["loss_change"]) < 0.05 and forms["int8"]["agree_teacher_forced"] > 0.8
+    assert forms["int8"]["fingerprint"] == forms["float32"]["fingerprint"] + "+int8"
+
+
+def test_voice_bench_quick(tmp_path):
+    """bench/voice.py end to end at tiny shapes: 8 turns in both modes, every stage reached; with
+    capsules each turn prefilled only its own prompt after exactly what the conversation kept
+    (the turn after the barge-in included), the endpoint fork and the preemptive reply used;
+    without, every turn re-prefilled and the lookahead waited out; one barge-in during turn 4's
+    reply, keeping a cut of it; the model holds the conversation. Timings recorded, not asserted."""
+    pytest.importorskip("silero_vad")
+    out = tmp_path / "voice.json"
+    r = subprocess.run([sys.executable, "bench/voice.py", "--quick", "--no-progress", "--out", str(out)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "random weights" in r.stdout and "Acceptance (issue)" in r.stdout
+    d = json.loads(out.read_text())["data"]
+    assert d["size"] == "tiny" and d["barge_in_turn"] == 4 and len(d["turns"]) == 8
+    assert set(d["runs"]) == {"flashrt", "baseline"}
+    for mode, runs in d["runs"].items():
+        assert len(runs) == 1, mode
+        turns = runs[0]["turns"]
+        assert [t["turn"] for t in turns] == list(range(1, 9)), mode
+        stages = ("vad", "transcript", "prefill", "first_token", "first_sentence", "first_audio")
+        for t in turns:
+            assert tuple(t["marks"]) == stages and tuple(t["split"]) == stages, mode
+            assert t["marks"]["first_audio"] >= t["marks"]["vad"] > 0, (mode, t["turn"])
+        contexts = [t["context_tokens"] for t in turns]
+        assert contexts == sorted(contexts) and 0.75 * 2048 < contexts[-1] < 1.25 * 2048, (mode, contexts)
+    assert all(d["checks"]["flashrt"].values()) and all(d["checks"]["baseline"].values()), d["checks"]
+    assert {"each_turn_appended", "after_barge_in_appended", "endpoint_fork",
+            "preemptive_reply_dropped_or_kept"} <= set(d["checks"]["flashrt"])
+    assert {"each_turn_reprefilled", "lookahead_waited"} <= set(d["checks"]["baseline"])
+    fl = d["runs"]["flashrt"][0]["turns"]
+    assert all(t["prefill_tokens"] < t["context_tokens"] for t in fl[1:])
+    assert d["framework"]["measured"] is False and d["framework"]["why"]
