@@ -731,11 +731,7 @@ def plot(rtf, ep, path, a):
     ax2.legend(fontsize=7)
     fig.suptitle(f"Nemotron streaming ASR {a.size} shape, {a.device} {a.dtype}, {a.threads} threads "
                  "(random weights)", fontsize=9)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    print(f"wrote {path}")
+    C.save_figure(fig, path)
     return path
 
 

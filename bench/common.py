@@ -391,6 +391,16 @@ def _json_default(o):
     return str(o)
 
 
+def save_figure(fig, path: Path) -> None:
+    """Lay out, write (110 dpi, folders made) and close a matplotlib figure."""
+    import matplotlib.pyplot as plt
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    print(f"wrote {path}")
+
+
 def print_tables(tables: list) -> None:
     for t in tables:
         print()

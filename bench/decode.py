@@ -379,11 +379,7 @@ def plot(runs, bw, path, a):
         ax.legend(fontsize=7)
     fig.suptitle(f"Decode, qwen3_5 {a.size} shape, {a.device}, {a.threads} threads (random weights)",
                  fontsize=9)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    print(f"wrote {path}")
+    C.save_figure(fig, path)
     return path
 
 

@@ -312,11 +312,7 @@ def plot(results, path, a) -> None:
     axes[0][0].legend(fontsize=7)
     fig.suptitle(f"TTFT on {a.device} {a.dtype} (random weights; {C.cpu_model() if a.device == 'cpu' else a.device})",
                  fontsize=9)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    print(f"wrote {path}")
+    C.save_figure(fig, path)
 
 
 def main(argv=None) -> int:
