@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import os
 import sys
-import tempfile
 import warnings
 import wave
 from pathlib import Path
@@ -74,25 +73,6 @@ def parse(argv):
     # the identity pass (one untimed run of every case) is the warm-up; --warmup adds rounds
     a.warmup = a.warmup if a.warmup is not None else 0
     return a
-
-
-def checkpoint_dir(size: str) -> Path:
-    """The cached seed-0 random-weight checkpoint (~/.cache/flashrt/checkpoints), made once."""
-    from flashrt.models import make_checkpoint
-    d = Path.home() / ".cache" / "flashrt" / "checkpoints" / f"nemotron_asr_streaming-{size}-seed0"
-    if not (d / "flashrt_checkpoint.json").exists():
-        print(f"making random-weight checkpoint nemotron_asr_streaming/{size} (once; cached in "
-              f"{d.parent}) ...", flush=True)
-        d.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(dir=d.parent))      # same filesystem: the rename is atomic
-        make_checkpoint("nemotron_asr_streaming", size, tmp / "p", seed=0)
-        try:
-            os.replace(tmp / "p", d)
-        except OSError:                                  # another process won the race
-            pass
-        import shutil
-        shutil.rmtree(tmp, ignore_errors=True)
-    return d
 
 
 # ---- audio -------------------------------------------------------------------------------------
@@ -155,23 +135,6 @@ def edit_distance(a: list, b: list) -> int:
 
 
 # ---- timing --------------------------------------------------------------------------------------
-def measure_alt(cases: dict, repeats: int, warmup: int, device, desc: str = "") -> dict:
-    """C.measure, with the order of the cases reversed every other round: each system runs
-    first in half of the rounds, so neither always follows the other's cache footprint."""
-    stats = {k: C.Stats() for k in cases}
-    names = list(cases)
-    rounds = [(False, i) for i in range(warmup)] + [(True, i) for i in range(repeats)]
-    for r, (timed, i) in enumerate(C.progress(rounds, desc=desc)):
-        for name in (names if r % 2 == 0 else names[::-1]):
-            c = cases[name]
-            dt, out = C.time_once(c.fn, device, c.setup, c.inner)
-            if timed:
-                stats[name].samples.append(dt)
-                if c.post is not None:
-                    c.post(out)
-    return stats
-
-
 def mean(xs) -> float:
     xs = list(xs)
     return sum(xs) / len(xs)
@@ -359,7 +322,7 @@ def rtf_section(a, lm, hf, audio, sr, piece):
         cases[f"flashrt R={R}"] = C.Case(lambda tr=tr: push_all(tr, audio, piece), setup=tr.reset)
         if hf is not None:
             cases[f"transformers R={R}"] = C.Case(lambda R=R: hf.run(audio, R))
-    st = measure_alt(cases, a.repeats, a.warmup, a.device, desc="real-time factor")
+    st = C.measure_alt(cases, a.repeats, a.warmup, a.device, desc="real-time factor")
     rows = {}
     for R in a.lookaheads:
         f, h = st[f"flashrt R={R}"], st.get(f"transformers R={R}")
@@ -411,7 +374,7 @@ def endpoint_section(a, lm, trs, audio, sr, U):
                      "flush": C.Case(lambda: flush_live(tr), setup=lambda cap=cap: tr.restore(cap)),
                      "wait": C.Case(lambda E=E, w=w: tr.push(audio[E + w - 1: E + w]), setup=pre_wait,
                                     post=post_wait)}
-            st = measure_alt(cases, a.repeats, a.warmup, a.device)
+            st = C.measure_alt(cases, a.repeats, a.warmup, a.device)
             phases.append({"pending_frames": n, "end_sample": E, "wait_samples": w,
                            "final_frames": F, "wait_audio_ms": w / sr * 1e3,
                            "fork": st["fork"], "flush": st["flush"], "wait_compute": st["wait"],
@@ -473,7 +436,7 @@ def next_utterance_section(a, lm, trs, audio, sr, U, piece):
             push_all(fresh, audio[hop_f * s: E], piece)
         recompute()
         recomputed, _ = push_all(fresh, rest, piece)
-        st = measure_alt({"fork": C.Case(tr.endpoint, setup=lambda: tr.restore(cap)),
+        st = C.measure_alt({"fork": C.Case(tr.endpoint, setup=lambda: tr.restore(cap)),
                           "flush": C.Case(lambda: flush_live(tr), setup=lambda: tr.restore(cap)),
                           "recompute": C.Case(recompute)}, a.repeats, a.warmup, a.device)
         out[R] = {"fork": st["fork"], "flush": st["flush"], "recompute": st["recompute"],
@@ -740,7 +703,7 @@ def main(argv=None) -> int:
     import torch
     info = C.banner("asr", a)
     load0 = os.getloadavg() if hasattr(os, "getloadavg") else None
-    ckpt = Path(a.ckpt) if a.ckpt else checkpoint_dir(a.size)
+    ckpt = Path(a.ckpt) if a.ckpt else C.cached_checkpoint("nemotron_asr_streaming", a.size)
     from flashrt.models.loader import load_model
     lm = load_model(ckpt, a.device, a.dtype)
     net = lm.net

@@ -219,6 +219,45 @@ def measure(cases: dict, repeats: int, warmup: int, device, desc: str = "") -> d
     return stats
 
 
+def measure_alt(cases: dict, repeats: int, warmup: int, device, desc: str = "") -> dict:
+    """measure(), with the order of the cases reversed every other round: each system runs
+    first in half of the rounds, so neither always follows the other's cache footprint."""
+    stats = {k: Stats() for k in cases}
+    names = list(cases)
+    rounds = [(False, i) for i in range(warmup)] + [(True, i) for i in range(repeats)]
+    for r, (timed, _) in enumerate(progress(rounds, desc=desc)):
+        for name in (names if r % 2 == 0 else names[::-1]):
+            c = cases[name]
+            dt, out = time_once(c.fn, device, c.setup, c.inner)
+            if timed:
+                stats[name].samples.append(dt)
+                if c.post is not None:
+                    c.post(out)
+    return stats
+
+
+def cached_checkpoint(model_type: str, size: str) -> Path:
+    """The seed-0 random-weight checkpoint of a model_type at a size, made once and cached in
+    ~/.cache/flashrt/checkpoints (an atomic rename, so racing processes agree)."""
+    import os
+    import shutil
+    import tempfile
+    from flashrt.models import make_checkpoint
+    d = Path.home() / ".cache" / "flashrt" / "checkpoints" / f"{model_type}-{size}-seed0"
+    if not (d / "flashrt_checkpoint.json").exists():
+        print(f"making random-weight checkpoint {model_type}/{size} (once; cached in {d.parent}) ...",
+              flush=True)
+        d.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=d.parent))      # same filesystem: the rename is atomic
+        make_checkpoint(model_type, size, tmp / "p", seed=0)
+        try:
+            os.replace(tmp / "p", d)
+        except OSError:                                  # another process won the race
+            pass
+        shutil.rmtree(tmp, ignore_errors=True)
+    return d
+
+
 def ratio(a: Stats | float | None, b: Stats | float | None) -> float | None:
     """Median ratio a/b (None when either side is missing)."""
     a = a.median if isinstance(a, Stats) else a

@@ -35,7 +35,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import common as C  # noqa: E402
-from bench.asr import measure_alt  # noqa: E402
 from bench.decode_profile import FORMATS, copy_bandwidth, step_bytes  # noqa: E402
 from bench.gguf import gguf_path  # noqa: E402
 
@@ -194,7 +193,7 @@ def bench_format(a, path, fmt, ids) -> dict:
     rows = {}
     for P in a.positions:
         cases = {s: sys_.case(P, a.steps) for s, sys_ in systems.items()}
-        st = measure_alt(cases, a.repeats, a.warmup, a.device, desc=f"{fmt} position {P}")
+        st = C.measure_alt(cases, a.repeats, a.warmup, a.device, desc=f"{fmt} position {P}")
         nb = systems["flashrt"].bytes[P]
         own = sum(nb.values())
         weights = nb["projections"] + nb["MLP"] + nb["vocab head"] + nb["norms"]

@@ -31,7 +31,6 @@ from __future__ import annotations
 import copy
 import os
 import sys
-import tempfile
 import time
 import wave
 from pathlib import Path
@@ -77,25 +76,6 @@ def parse(argv):
     return a
 
 
-def checkpoint_dir(size: str) -> Path:
-    """The cached seed-0 random-weight checkpoint (~/.cache/flashrt/checkpoints), made once."""
-    from flashrt.models import make_checkpoint
-    d = Path.home() / ".cache" / "flashrt" / "checkpoints" / f"pocket_tts-{size}-seed0"
-    if not (d / "flashrt_checkpoint.json").exists():
-        print(f"making random-weight checkpoint pocket_tts/{size} (once; cached in {d.parent}) ...",
-              flush=True)
-        d.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(dir=d.parent))      # same filesystem: the rename is atomic
-        make_checkpoint("pocket_tts", size, tmp / "p", seed=0)
-        try:
-            os.replace(tmp / "p", d)
-        except OSError:                                  # another process won the race
-            pass
-        import shutil
-        shutil.rmtree(tmp, ignore_errors=True)
-    return d
-
-
 def reference_wav(sr: int, seconds: float):
     """The test speech (16 kHz), joined, resampled to sr by linear interpolation, cut to seconds."""
     import numpy as np
@@ -129,22 +109,6 @@ def rel_diff(x, y) -> float:
     """max |x - y| over max(1, max |y|): PCM of random codecs peaks far above 1."""
     n = min(x.shape[0], y.shape[0])
     return float((x[:n].float() - y[:n].float()).abs().max() / max(1.0, float(y[:n].abs().max())))
-
-
-def measure_alt(cases: dict, repeats: int, warmup: int, device, desc: str = "") -> dict:
-    """C.measure with the order reversed every other round (neither system always runs first)."""
-    stats = {k: C.Stats() for k in cases}
-    names = list(cases)
-    rounds = [(False, i) for i in range(warmup)] + [(True, i) for i in range(repeats)]
-    for r, (timed, _) in enumerate(C.progress(rounds, desc=desc)):
-        for name in (names if r % 2 == 0 else names[::-1]):
-            c = cases[name]
-            dt, out = C.time_once(c.fn, device, c.setup, c.inner)
-            if timed:
-                stats[name].samples.append(dt)
-                if c.post is not None:
-                    c.post(out)
-    return stats
 
 
 # ---- transformers ----------------------------------------------------------------------------
@@ -259,7 +223,7 @@ def ttfa_section(a, synth, hf, wav, text):
                      voice_cache_first_frame_rel_diff=rel_diff(
                          hf.first_audio(ids_text, noise, cache=copy.deepcopy(vcache)), ref))
     with torch.no_grad():
-        st = measure_alt(cases, a.repeats, a.warmup, a.device, desc="time to first audio")
+        st = C.measure_alt(cases, a.repeats, a.warmup, a.device, desc="time to first audio")
     return {"stats": st, "identity": ident, "voice_frames": int(latents.shape[0]),
             "voice_seconds": wav.shape[0] / synth.sample_rate, "text_tokens": len(text)}, voice, latents
 
@@ -388,7 +352,7 @@ def rtf_section(a, synth, hf, voice, latents, text):
                          transformers_loop_vs_generate_max_diff=hf.loop_vs_generate(
                              hf.ids(text, latents.shape[0]), latents, n_gen),
                          transformers_loop_vs_generate_frames=n_gen)
-        st = measure_alt(cases, a.repeats, a.warmup, a.device, desc="real-time factor")
+        st = C.measure_alt(cases, a.repeats, a.warmup, a.device, desc="real-time factor")
     res = {"frames": N, "audio_seconds": secs, "flashrt": st["flashrt"], "flashrt_split": st["flashrt split"],
            "flashrt_backbone": split["backbone"], "flashrt_codec": split["codec"], "identity": ident}
     res["flashrt_rtf"] = st["flashrt"].median / secs
@@ -456,7 +420,7 @@ def bargein_section(a, synth, hf, voice, latents, text):
                 hf.forward(ids, copy.deepcopy(vcache), latents=keep["lat"][:-1])
                 return hf.decode(keep["lat"])
             cases["transformers re-prefill"] = C.Case(hf_reprefill, setup=made)
-        st = measure_alt(cases, a.repeats, a.warmup, a.device, desc="barge-in")
+        st = C.measure_alt(cases, a.repeats, a.warmup, a.device, desc="barge-in")
     return {"made_frames": M, "played_frames": P, "heard_samples": heard, "stats": st, "identity": ident}
 
 
@@ -627,7 +591,7 @@ def main(argv=None) -> int:
     import torch
     info = C.banner("tts", a)
     load0 = os.getloadavg() if hasattr(os, "getloadavg") else None
-    ckpt = Path(a.ckpt) if a.ckpt else checkpoint_dir(a.size)
+    ckpt = Path(a.ckpt) if a.ckpt else C.cached_checkpoint("pocket_tts", a.size)
     from flashrt.speech import load_synthesizer
     # fade_in 0: the raw decoder output, as transformers' codec.decode gives it
     synth = load_synthesizer(ckpt, a.device, a.dtype, max_seq_len=512, fade_in=0.0)

@@ -169,14 +169,12 @@ class FullStops:
 
 
 def load_parts(a):
-    from bench.asr import checkpoint_dir as asr_checkpoint
-    from bench.tts import checkpoint_dir as tts_checkpoint
     from bench.tts import reference_wav
     from flashrt.models.loader import load_model
     from flashrt.speech import StreamingTranscriber, load_synthesizer
     lm_size, asr_size, tts_size = SIZES[a.size]
-    paths = {"lm": C.checkpoint("qwen3_5", lm_size), "asr": asr_checkpoint(asr_size),
-             "tts": tts_checkpoint(tts_size)}
+    paths = {"lm": C.checkpoint("qwen3_5", lm_size), "asr": C.cached_checkpoint("nemotron_asr_streaming", asr_size),
+             "tts": C.cached_checkpoint("pocket_tts", tts_size)}
     lm = C.load_flashrt(paths["lm"], a, max_seq_len=a.context + 2048)
     asr = load_model(paths["asr"], a.device, a.dtype)
     tr = StreamingTranscriber(asr, lookahead=a.lookahead, tokenizer=TurnText(a.user_tokens))
