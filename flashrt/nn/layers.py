@@ -114,8 +114,8 @@ def attend_cached(q, k, v, k_cache, v_cache, ctx: StepCtx, scale: float) -> torc
     if ctx.T > 1 and ctx.start > 0:   # query i sits at start + i and sees keys <= start + i
         out = prefix_chunk_attention(qh, kh, vh, scale, chunk_attention_mode(qh, kh, vh))
     elif ctx.T == 1 and qh.dtype == torch.bfloat16 and qh.device.type == "cpu":
-        # one query in bf16: torch's CPU SDPA runs ~14x its float32 time (1.8 vs 0.13 ms a layer
-        # at 513 keys), so widen q (1, Hq, 1, D) and K/V (1, Hkv, L, D) and attend in float32
+        # one query in bf16: torch's CPU SDPA is several times slower than in float32, so widen
+        # q (1, Hq, 1, D) and K/V (1, Hkv, L, D) and attend in float32
         out = F.scaled_dot_product_attention(qh.float(), kh.float(), vh.float(), scale=scale,
                                              enable_gqa=gqa).to(qh.dtype)
     else:                             # one token sees every key; a first chunk is square causal
