@@ -2,8 +2,6 @@
 tests fail when it is missing). Two "nodes" are two runtimes with their own CapsuleStores over
 one Redis; checkpoints have random weights."""
 import json
-import shutil
-import socket
 import subprocess
 import sys
 import threading
@@ -17,67 +15,9 @@ import flashrt
 from flashrt.capsules import format as fmt
 from flashrt.capsules.redis_tier import RedisTier, fingerprint_digest, prefix_digests
 from flashrt.capsules.store import CapsuleStore
+from redis_util import Server
 
 T1 = [(7 * i + 3) % 97 + 1 for i in range(40)]
-
-
-class Server:
-    """A redis-server on a free loopback port, killable and restartable on that port. The
-    port is free when chosen, not when the server binds it: start() checks that the server
-    answering is this one (INFO's process_id; probe: client options, e.g. TLS and a password)
-    and picks new ports when this one exited (its bind failed)."""
-
-    def __init__(self, tmp, *extra, conf=None, probe=None):
-        self.exe = shutil.which("redis-server")
-        if self.exe is None:
-            pytest.fail("redis-server not found: run ./run.sh setup (apt-get install redis-server)")
-        self.tmp, self.extra, self.conf, self.probe = tmp, extra, conf, probe or {}
-        for _ in range(3):
-            self._pick_ports()
-            if self.start(retry=True):
-                return
-        pytest.fail("redis-server: no free port after 3 tries")
-
-    def _pick_ports(self):
-        with socket.socket() as s, socket.socket() as s2:   # the port, and one for a cluster bus
-            s.bind(("127.0.0.1", 0))
-            s2.bind(("127.0.0.1", 0))
-            self.port, self.bus = s.getsockname()[1], s2.getsockname()[1]
-        self.cmd = [self.exe, *([str(self.conf)] if self.conf else []), "--port", str(self.port),
-                    "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(self.tmp),
-                    *(x.format(port=self.port, bus=self.bus) for x in self.extra)]
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-
-    def start(self, retry=False) -> bool:
-        """Start (or restart, on the same port) and wait until this process answers; False
-        (retry=True) when it exited, as it does when another process took the port."""
-        self.proc = subprocess.Popen(self.cmd, stdout=subprocess.DEVNULL)
-        for _ in range(200):
-            if self.proc.poll() is not None:
-                if retry:
-                    return False
-                pytest.fail(f"redis-server exited ({self.proc.returncode}) on port {self.port}")
-            try:
-                c = redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=1, **self.probe)
-                try:
-                    pid = int(c.info("server")["process_id"])
-                finally:
-                    c.close()
-            except (redis.RedisError, OSError):
-                time.sleep(0.02)
-                continue
-            if pid != self.proc.pid:         # another redis-server holds the port
-                self.kill()
-                if retry:
-                    return False
-                pytest.fail(f"port {self.port} is another redis-server's (pid {pid})")
-            return True
-        self.kill()
-        pytest.fail(f"redis-server did not start on port {self.port}")
-
-    def kill(self):
-        self.proc.kill()
-        self.proc.wait()
 
 
 @pytest.fixture(scope="module")
@@ -518,3 +458,126 @@ def test_two_server_processes_share_a_conversation(ckpt, server, raw, tmp_path):
         probe.close()
         a.stop()
         b.stop()
+
+
+# ---- named capsules (put_named / get_named / names / drop_named) --------------------------------
+def test_named_round_trip_namespaces_and_fingerprints(rt, runtime, tiers, raw):
+    """A name stored by one tier is read bitwise by another, only in its namespace and only by
+    its model; it is pinned (no TTL, not in the LRU, no prefix index entry), a taken name is
+    refused, and drop_named removes every key it had."""
+    ta, tb = tiers(ttl_s=60), tiers()
+    a = rt()
+    cap = snap(a, T1)
+    fp, want = a.fingerprint, fmt.to_bytes(cap)
+    assert ta.put_named("alice", cap) and ta.put_named("alice", cap, namespace="t1")
+    got = tb.get_named("alice", fp)
+    assert got is not cap and fmt.to_bytes(got) == want and got.history == T1
+    assert fmt.to_bytes(tb.get_named("alice", fp, "t1")) == want
+    assert tb.names(fp) == ["alice"] and tb.names(fp, "t2") == [] and tb.get_named("alice", fp, "t2") is None
+    other = runtime("qwen3_5", ckpt_kw={"seed": 1})           # other weights: another key prefix
+    assert tb.get_named("alice", other.fingerprint) is None and tb.names(other.fingerprint) == []
+    assert tb.get_named("alice", {**fp, "codec": "x"}) is None        # a field beyond the key's five
+    assert tb.names(fp) == ["alice"]                                  # ... is a miss, not damage
+    assert tb.get_named("alice", fp, have=lambda cid: cap if cid == cap.id else None) is cap
+    P = f"flashrt:{{{fingerprint_digest(fp)}}}:"
+    sid = raw.hget(P + "names", "alice").decode()
+    assert json.loads(raw.get(P + "m:" + sid))["c"] == cap.id
+    assert raw.pttl(P + "m:" + sid) == -1 and all(raw.pttl(k) == -1 for k in raw.scan_iter(f"{P}c:{sid}:*"))
+    assert raw.sismember(P + "pins", sid) and raw.zscore(P + "lru", sid) is None
+    assert tb.lookup(T1 + [1], fp) == (None, 0)               # names are not found by tokens
+    with pytest.raises(FileExistsError, match="alice"):
+        tb.put_named("alice", snap(a, T1[:9]))
+    assert {k.decode().split(":")[3] for k in raw.scan_iter(P + "c:*")} == {sid}   # no upload left
+    with pytest.raises(ValueError, match="bad capsule name"):
+        tb.put_named("../x", cap)
+    assert tb.drop_named("alice", fp) is True and tb.drop_named("alice", fp) is False
+    assert tb.get_named("alice", fp) is None and tb.names(fp) == []
+    assert not list(raw.scan_iter(P + "m:*")) and not list(raw.scan_iter(P + "c:*"))
+    assert int(raw.get(P + "bytes")) == 0 and not raw.smembers(P + "pins")
+    assert tb.names(fp, "t1") == ["alice"]                    # the other namespace keeps its own
+    assert ta.put_named("alice", snap(a, T1[:9]))             # the name is free again
+
+
+@pytest.mark.parametrize("damage", ["flip", "missing_chunk", "dangling"])
+def test_named_damaged_value_is_a_deleted_miss(rt, tiers, raw, damage):
+    t = tiers(chunk_bytes=8192)
+    a = rt()
+    assert t.put_named("bob", snap(a, T1))
+    P = f"flashrt:{{{fingerprint_digest(a.fingerprint)}}}:"
+    sid = raw.hget(P + "names", "bob").decode()
+    chunks = sorted(raw.scan_iter(f"{P}c:{sid}:*"))
+    if damage == "flip":
+        v = bytearray(raw.get(chunks[1]))
+        v[100] ^= 0x10
+        raw.set(chunks[1], bytes(v))
+    elif damage == "missing_chunk":
+        raw.delete(chunks[1])
+    else:
+        raw.delete(P + "m:" + sid)                            # as if someone removed the value
+    fresh = tiers()
+    assert fresh.get_named("bob", a.fingerprint) is None
+    assert fresh.stats()["dangling" if damage == "dangling" else "corrupt"] == 1
+    assert fresh.names(a.fingerprint) == [] and not list(raw.scan_iter(P + "c:*"))
+    assert int(raw.get(P + "bytes")) == 0 and not raw.exists(P + "m:" + sid)
+
+
+def test_named_budget_refuses_what_does_not_fit(rt, tiers, raw):
+    """A name evicts unpinned capsules to find room, never a pinned or named one: what does
+    not fit beside those is refused (False), its upload deleted."""
+    a = rt()
+    turn, one, two = snap(a, T1), snap(a, T1[:30]), snap(a, T1[:31])
+    size = max(len(fmt.to_bytes(c)) for c in (turn, one, two))
+    t = tiers(budget_bytes=int(1.5 * size))
+    t.publish(turn)
+    assert t.flush() and t.stats()["published"] == 1
+    assert t.put_named("one", one)                            # the turn's capsule made room
+    P = f"flashrt:{{{fingerprint_digest(a.fingerprint)}}}:"
+    assert not raw.exists(P + "m:" + turn.id) and t.lookup(T1, a.fingerprint) == (None, 0)
+    assert t.put_named("two", two) is False                   # only a named one left: refused
+    assert t.names(a.fingerprint) == ["one"] and int(raw.get(P + "bytes")) <= 1.5 * size
+    one_id = raw.hget(P + "names", "one").decode()
+    assert {k.decode().split(":")[3] for k in raw.scan_iter(P + "c:*")} == {one_id}   # two's upload gone
+    assert tiers(budget_bytes=size // 2).put_named("big", two) is False    # larger than the budget
+    assert t.get_named("one", a.fingerprint) is not None
+
+
+def test_named_with_redis_down(rt, tmp_path):
+    """Redis gone: put_named False, get_named None, names and drop_named None; nothing raises,
+    and once the circuit is open no call waits."""
+    srv = Server(tmp_path)
+    try:
+        t = RedisTier.from_url(srv.url, failures=2, open_s=30)
+        a = rt()
+        cap = snap(a, T1)
+        assert t.put_named("kept", cap)
+        srv.kill()
+        t0 = time.perf_counter()
+        for _ in range(2):
+            assert t.put_named("other", cap) is False and t.get_named("kept", a.fingerprint) is None
+            assert t.names(a.fingerprint) is None and t.drop_named("kept", a.fingerprint) is None
+        assert t.stats()["breaker_opens"] == 1 and time.perf_counter() - t0 < 3
+        t.close()
+    finally:
+        srv.kill()
+
+
+def test_a_voice_through_redis_speaks_bitwise_as_the_original(tiers, tmp_path):
+    """A Synthesizer's voice capsule, stored as a name from one store and fetched by a fresh tier
+    into a fresh store and a freshly loaded synthesizer, speaks the original's PCM bitwise."""
+    pytest.importorskip("transformers")         # make_checkpoint writes Pocket TTS through it
+    from flashrt.models.checkpoint import make_checkpoint
+    from flashrt.speech import load_synthesizer
+    path = make_checkpoint("pocket_tts", "tiny", tmp_path / "tts", seed=0)
+    synth = load_synthesizer(path, max_seq_len=256)
+    pcm = torch.randn(700, generator=torch.Generator().manual_seed(1)) * 0.3
+    store = CapsuleStore(host_bytes=1 << 24)
+    store.put(synth.make_voice(pcm), key="voice.ana")
+    voice = store.get("voice.ana")
+    assert tiers().put_named("ana", voice, namespace="t1")
+    text, kw = torch.tensor([11, 12, 13, 14]), dict(max_frames=12, seed=4, eos_threshold=1e9)
+    live = torch.cat(list(synth.speak(text, voice, **kw)))
+    other = load_synthesizer(path, max_seq_len=256)
+    fresh = CapsuleStore(host_bytes=1 << 24)
+    fresh.put(tiers().get_named("ana", other.fingerprint, "t1"), key="voice.ana")
+    again = torch.cat(list(other.speak(text, fresh.get("voice.ana"), **kw)))
+    assert live.numel() > 0 and torch.equal(again, live)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import concurrent.futures
 import json
 import shutil
 import struct
@@ -357,3 +358,39 @@ def test_voice_survives_a_restart_and_is_its_keys_own(server, lm, tts, caps, key
         refused(r, 404, "voice_not_found", "voice", "kept")
     finally:
         again.stop()
+
+
+def test_voices_shared_through_redis_by_two_servers(lm, tts, keys, tmp_path):
+    """Two servers with --capsule-redis on one redis-server: a voice uploaded to A is listed by B
+    and speaks there bitwise as on A (same input and seed); its name is taken on B too; another
+    key neither sees nor speaks with it; a DELETE on B removes it from A's listing and voices."""
+    pytest.importorskip("redis")
+    from redis_util import Server as RedisServer
+    redis_srv = RedisServer(tmp_path)
+    # a loaded machine can stall a call past the tier's 1 s default: the fallback is not under test
+    shared = ("--capsule-redis", redis_srv.url + "?socket_timeout=10&socket_connect_timeout=10")
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:     # both start at once
+        made = [pool.submit(start, lm, tts, tmp_path / n, tmp_path / f"{n}.log", *keys, *shared,
+                            api_key="key-one", key_arg=False) for n in "ab"]
+    try:
+        a, b = (f.result() for f in made)
+        assert upload(a, "fleet", wav(noise(0.3, 6))).status_code == 200
+        assert voices(b) == {"default": True, "fleet": False}
+        body = dict(input="one voice, two servers.", voice="fleet", response_format="pcm", seed=5)
+        on_a, on_b, plain = speak(a, **body), speak(b, **body), speak(b, **{**body, "voice": "default"})
+        assert on_a.status_code == on_b.status_code == plain.status_code == 200
+        assert on_b.content == on_a.content and on_b.content != plain.content
+        refused(upload(b, "fleet", wav(noise(0.3, 7))), 409, "voice_exists", "name", "fleet")
+        other = {"Authorization": "Bearer key-two"}
+        assert voices(b, other) == {"default": True}
+        r = httpx.post(b.url + "/v1/audio/speech", json={"model": b.tts, **body}, headers=other)
+        refused(r, 404, "voice_not_found", "voice", "fleet")
+        d = httpx.delete(b.url + "/v1/audio/voices/fleet", headers=b.headers())
+        assert d.status_code == 200 and d.json()["deleted"] is True
+        assert voices(a) == {"default": True}
+        refused(speak(a, **body), 404, "voice_not_found", "voice", "fleet")
+    finally:
+        for f in made:
+            if f.exception() is None:
+                f.result().stop()
+        redis_srv.kill()

@@ -10,8 +10,11 @@ Every script gets ARGV[1] = the key prefix "<ns>:{<fp>}:". Keys under it:
     bytes               bytes of live capsules;    pins: set of pinned ids
     lens / lenrc        zset and refcounts of the prefix lengths that have an index entry
     kids                hash id -> number of stored delta children (a parent is never evicted)
+    names               hash name -> id of the capsule stored under that name (RedisTier.put_named)
 Meta fields: n tokens, d prefix digest, b value bytes, k chunks, u upload nonce, p parent id
-("" for none), x = 1 when this capsule owns its index entry.
+("" for none), x = 1 when this capsule owns its index entry; a named capsule's also c = the
+capsule's own id (its id here is a fresh "n<hex>", so each name owns its value).
+A named capsule is in `pins` and not in `lru`: never evicted, no TTL, no index entry.
 """
 
 import hashlib
@@ -174,4 +177,56 @@ if ARGV[3] ~= '' and redis.call('GET', P .. 'i:' .. ARGV[3]) == ARGV[2] then
   n = n + 1
 end
 return n
+"""
+
+# ARGV: P, meta JSON, name, now ms, ttl ms, budget (-1: none). A taken name is refused; room is
+# made by evicting unpinned capsules only when the pinned ones leave enough, else refused.
+NAME = COMMON + r"""
+local m = cjson.decode(ARGV[2])
+local name, now, ttl, budget = ARGV[3], tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
+reconcile(now, ttl)
+local ks, total = chunkkeys(m), 0
+for _, k in ipairs(ks) do total = total + redis.call('STRLEN', k) end
+if total ~= m.b then del_all(ks); return 'incomplete' end
+local cur = redis.call('HGET', P .. 'names', name)
+if cur then
+  if redis.call('EXISTS', P .. 'm:' .. cur) == 1 then del_all(ks); return 'taken' end
+  forget(cur)                                                -- dangling name: replace it
+end
+if budget >= 0 then
+  local held = 0
+  for _, id in ipairs(redis.call('SMEMBERS', P .. 'pins')) do
+    local raw = redis.call('HGET', P .. 'info', id)
+    if raw then held = held + cjson.decode(raw).b end
+  end
+  if held + m.b > budget then del_all(ks); return 'full' end
+  evict(budget - m.b)
+  if over(budget - m.b) then del_all(ks); return 'full' end
+end
+m.x = 0
+local raw = cjson.encode(m)
+redis.call('SET', P .. 'm:' .. m.id, raw)
+redis.call('HSET', P .. 'info', m.id, raw)
+redis.call('HSET', P .. 'names', name, m.id)
+redis.call('INCRBY', P .. 'bytes', m.b)
+redis.call('SADD', P .. 'pins', m.id)
+expire_all(m, ttl, true)                                     -- the chunks' upload TTL removed
+return 'ok'
+"""
+
+# ARGV: P, name -> {id, meta JSON ("" when the capsule is gone)}, or nil when no such name
+NAMED = r"""
+local id = redis.call('HGET', ARGV[1] .. 'names', ARGV[2])
+if not id then return false end
+return {id, redis.call('GET', ARGV[1] .. 'm:' .. id) or ''}
+"""
+
+# ARGV: P, name, id ("": whichever): forget the name and its capsule -> 1, or 0 when it names
+# no capsule (or another one than id: replaced meanwhile)
+UNNAME = COMMON + r"""
+local id = redis.call('HGET', P .. 'names', ARGV[2])
+if not id or (ARGV[3] ~= '' and id ~= ARGV[3]) then return 0 end
+redis.call('HDEL', P .. 'names', ARGV[2])
+forget(id)
+return 1
 """

@@ -35,10 +35,19 @@ Redis is uploaded first), a stored child keeps its parents from eviction, and us
 its parents' TTL. Budget: budget_bytes per fingerprint, least recently used first; pinned
 capsules (put(pin=True)) and their ancestors have no TTL and are never evicted.
 
+Named capsules (a voice, anything with no token history to be found by): put_named(name, cap,
+namespace) stores one now, under the capsule's fingerprint and the namespace, as the one script
+NAME maps the name (hash `names`) to a value of its own; get_named / names / drop_named read and
+remove it from any server. A name is never evicted nor expired, and never overwritten: a taken
+name raises FileExistsError (drop_named first). It counts against budget_bytes: unpinned
+capsules are evicted to make room only when the pinned ones leave enough, else it is refused
+(False), never stored to be evicted. A damaged value is a miss, counted and deleted with its name.
+
 Faults: every public method returns a miss or drops the publish on connection errors and
-timeouts. socket_timeout bounds one call; after `failures` consecutive errors the circuit opens
-and for open_s seconds no call is tried; then one probe runs and the tier reconnects by itself
-(redis-py opens a new connection). Publishing runs on a background thread with a bounded queue
+timeouts (put_named: False; names, drop_named: None, telling "cannot ask" from "none").
+socket_timeout bounds one call; after `failures` consecutive errors the circuit opens and for
+open_s seconds no call is tried; then one probe runs and the tier reconnects by itself (redis-py
+opens a new connection). Publishing runs on a background thread with a bounded queue
 (full: dropped and counted); flush() waits for it.
 
 Security: capsules hold the conversation's tokens. Use AUTH (redis://[user]:password@host, or
@@ -58,7 +67,8 @@ from flashrt.errors import CapsuleCorruptError, CapsuleError
 
 from . import format as _fmt
 from . import redis_conn as _conn
-from .redis_keys import COMMIT, DROP, TOUCH, fingerprint_digest, prefix_digests
+from .disk import KEY
+from .redis_keys import COMMIT, DROP, NAME, NAMED, TOUCH, UNNAME, fingerprint_digest, prefix_digests
 from .types import FINGERPRINT_KEYS, Capsule
 
 log = logging.getLogger(__name__)
@@ -87,7 +97,8 @@ class RedisTier:
         self.chunk_bytes, self.max_lengths = chunk_bytes, max_lengths
         self.breaker = _conn.Breaker(failures, open_s)
         self._scripts = {n: client.register_script(s) for n, s in
-                         (("commit", COMMIT), ("touch", TOUCH), ("drop", DROP))}
+                         (("commit", COMMIT), ("touch", TOUCH), ("drop", DROP), ("name", NAME),
+                          ("named", NAMED), ("unname", UNNAME))}
         self._stats = dict.fromkeys(("hits", "misses", "fetched_bytes", "corrupt", "dangling",
                                      "published", "deduped", "dropped", "skipped", "errors"), 0)
         self._slock = threading.Lock()
@@ -171,6 +182,50 @@ class RedisTier:
             return got, m
         finally:
             self._local.fetching = False
+
+    # ---- named capsules (no token history needed: a voice, a saved session) ------------------
+    def put_named(self, name: str, cap: Capsule, namespace: str = "") -> bool:
+        """Store `cap` as `name` of `namespace` under its own model fingerprint, now (blocking):
+        pinned, never evicted nor expired. True: stored. False: not (Redis unreachable, closed, or
+        the budget cannot hold it beside the pinned capsules; unpinned ones are evicted for it
+        only when that makes room); logged and counted. FileExistsError: the name is taken
+        (drop_named it first); ValueError: a bad name, a delta or a single-use capsule."""
+        name = _check_name(name)
+        if cap.is_delta or cap.meta.single_use:
+            raise ValueError(f"put_named({name!r}): a named capsule stands alone; got a "
+                             f"{'delta' if cap.is_delta else 'single-use'} capsule")
+        P = self._prefix(cap.meta.fingerprint, namespace)
+        res = "closed" if self._closed else self._guard(self._put_named, "error", P, name, cap)
+        if res == "taken":
+            raise FileExistsError(f"capsule name {name!r} is taken in the Redis tier")
+        self._count("published" if res == "ok" else "dropped")
+        if res != "ok":
+            log.warning("redis tier: capsule %s not stored as %r: %s", cap.id, name, res)
+        return res == "ok"
+
+    def get_named(self, name: str, fingerprint: dict, namespace: str = "", have=None) -> Capsule | None:
+        """The capsule named `name` in `namespace` of this model, or None: no such name, a damaged
+        value (counted, logged and deleted with its name), a Redis fault. Every field of
+        `fingerprint` must match (the key prefix covers five; a synthesizer's codec is checked
+        here). have(capsule id) -> Capsule|None: a copy held locally, returned unfetched."""
+        name = _check_name(name)
+        P = self._prefix(fingerprint, namespace)
+        got = self._guard(self._get_named, None, P, name, fingerprint, have)
+        self._count("hits" if got is not None else "misses")
+        return got
+
+    def names(self, fingerprint: dict, namespace: str = "") -> list | None:
+        """Sorted names of `namespace`'s named capsules of this model; None when Redis cannot
+        be asked."""
+        P = self._prefix(fingerprint, namespace)
+        return self._guard(lambda: sorted(k.decode() for k in self.client.hkeys(P + "names")), None)
+
+    def drop_named(self, name: str, fingerprint: dict, namespace: str = "") -> bool | None:
+        """Forget `name` and its capsule: True; False when there was none; None when Redis
+        cannot be asked."""
+        n = self._guard(self._run, None, "unname", self._prefix(fingerprint, namespace), [],
+                        _check_name(name), "")
+        return None if n is None else bool(n)
 
     # ---- internals: calls -----------------------------------------------------------------
     def _prefix(self, fp: dict, namespace: str = "") -> str:
@@ -260,13 +315,12 @@ class RedisTier:
         return parent
 
     def _fetch_one(self, P, m, cid, digest):
-        keys = [f"{P}c:{m['id']}:{m['u']}:{i}" for i in range(m["k"])]
-        parts = self.client.mget(keys) if keys else []
-        if any(p is None for p in parts) or sum(len(p) for p in parts) != m["b"]:
+        data = self._read(P, m)
+        if data is None:
             self._bad(P, m["id"], digest if m["id"] == cid else "", "incomplete value (missing chunks)")
             return None
         try:
-            cap = _fmt.from_bytes(parts[0] if len(parts) == 1 else b"".join(parts), f"redis {P}m:{m['id']}")
+            cap = _fmt.from_bytes(data, f"redis {P}m:{m['id']}")
         except CapsuleCorruptError as e:
             self._bad(P, m["id"], digest if m["id"] == cid else "", str(e))
             return None
@@ -275,6 +329,69 @@ class RedisTier:
             return None
         self._count("fetched_bytes", m["b"])
         return cap
+
+    def _read(self, P, m) -> bytes | None:
+        """The value of meta m, or None when a chunk is missing or the sizes disagree."""
+        keys = [f"{P}c:{m['id']}:{m['u']}:{i}" for i in range(m["k"])]
+        parts = self.client.mget(keys) if keys else []
+        if any(p is None for p in parts) or sum(len(p) for p in parts) != m["b"]:
+            return None
+        return parts[0] if len(parts) == 1 else b"".join(parts)
+
+    def _get_named(self, P, name, fp, have):
+        found = self._run("named", P, [], name)
+        if not found:
+            return None
+        sid, raw = (x.decode() for x in found)
+        if not raw:
+            self._count("dangling")
+            log.info("redis tier: name %r of namespace %s names a capsule that is gone; deleted", name, P)
+            self._run("unname", P, [], name, sid)
+            return None
+        m = json.loads(raw)
+        local = have(m["c"]) if have is not None else None
+        if local is not None:
+            return local
+        data, why = self._read(P, m), "incomplete value (missing chunks)"
+        if data is not None:
+            try:
+                cap = _fmt.from_bytes(data, f"redis {P}names[{name}]")
+                why = (None if cap.id == m["c"] and _same_fp(cap.meta.fingerprint, fp)
+                       else f"value holds capsule {cap.id!r} or another model's")
+            except CapsuleCorruptError as e:
+                why = str(e)
+        if why is not None:
+            self._count("corrupt")
+            log.warning("redis tier: refusing capsule %r of %s: %s; deleted", name, P, why)
+            self._run("unname", P, [], name, sid)
+            return None
+        if any(cap.meta.fingerprint.get(k) != v for k, v in fp.items()):
+            log.info("redis tier: capsule %r of %s is another model's (fields past the key's differ)",
+                     name, P)
+            return None
+        self._count("fetched_bytes", m["b"])
+        return cap
+
+    def _put_named(self, P, name, cap):
+        if self.client.hexists(P + "names", name):           # refused before the upload
+            return "taken"
+        data = _fmt.to_bytes(cap)
+        if self.budget >= 0 and len(data) > self.budget:
+            return f"its {len(data)} B exceed budget_bytes"
+        sid, nonce, k = "n" + secrets.token_hex(8), secrets.token_hex(4), -(-len(data) // self.chunk_bytes)
+        self._upload(P, sid, nonce, data, k)
+        meta = {"id": sid, "n": 0, "d": "", "b": len(data), "k": k, "u": nonce, "p": "", "x": 0, "c": cap.id}
+        res = self._run("name", P, [], json.dumps(meta), name, _now_ms(), self.ttl_ms, self.budget)
+        return res.decode() if isinstance(res, bytes) else res
+
+    def _upload(self, P, cid, nonce, data, k):
+        """The chunks of a value, under the upload TTL until a script makes them visible."""
+        view = memoryview(data)
+        pipe = self.client.pipeline(transaction=False)
+        for i in range(k):
+            pipe.set(f"{P}c:{cid}:{nonce}:{i}", view[i * self.chunk_bytes:(i + 1) * self.chunk_bytes],
+                     px=_UPLOAD_TTL_MS)
+        pipe.execute()
 
     def _bad(self, P, cid, digest, why):
         self._count("corrupt")
@@ -310,12 +427,7 @@ class RedisTier:
         meta = {"id": cap.id, "n": n, "d": prefix_digests(toks, [n])[n] if n else "none-" + cap.id,
                 "b": len(data), "k": -(-len(data) // self.chunk_bytes), "u": nonce,
                 "p": cap.meta.parent["id"] if cap.is_delta else ""}
-        view = memoryview(data)
-        pipe = self.client.pipeline(transaction=False)
-        for i in range(meta["k"]):
-            pipe.set(f"{P}c:{cap.id}:{nonce}:{i}", view[i * self.chunk_bytes:(i + 1) * self.chunk_bytes],
-                     px=_UPLOAD_TTL_MS)
-        pipe.execute()
+        self._upload(P, cap.id, nonce, data, meta["k"])
         res = self._run("commit", P, [], json.dumps(meta), _now_ms(), self.ttl_ms, self.budget,
                         int(pin), int(force))
         return res.decode() if isinstance(res, bytes) else res
@@ -335,6 +447,14 @@ def _check_ns(namespace: str) -> str:
     if not isinstance(namespace, str) or any(c in namespace for c in "{}:") or len(namespace) > 128:
         raise ValueError(f"bad capsule namespace {namespace!r} for the Redis tier")
     return namespace
+
+
+def _check_name(name) -> str:
+    """A capsule name: 1-200 characters of [A-Za-z0-9._-], not starting with '.' (as a file's)."""
+    if not isinstance(name, str) or not KEY.match(name):
+        raise ValueError(f"bad capsule name {name!r}: 1-200 characters of [A-Za-z0-9._-], "
+                         "not starting with '.'")
+    return name
 
 
 def _now_ms() -> int:

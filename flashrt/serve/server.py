@@ -45,7 +45,8 @@ def parser(p=None) -> argparse.ArgumentParser:
     p.add_argument("--capsule-disk-mb", type=float, default=8192,
                    help="disk for --capsule-dir, LRU beyond it (named saves are kept)")
     p.add_argument("--capsule-redis", default=None, metavar="URL",
-                   help="share capsules with a fleet through Redis (redis:// or rediss://, AUTH in the URL)")
+                   help="share capsules (turns, voices) with a fleet through Redis (redis:// or "
+                        "rediss://, AUTH in the URL)")
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' everywhere (visible in ps: prefer the "
                    "FLASHRT_API_KEY environment variable or --api-keys FILE)")

@@ -20,7 +20,8 @@ as they are). Formats that need an encoder (mp3, opus, aac, flac) are refused; r
 defaults to wav (OpenAI's default, mp3, needs one).
 
 Voices: a voice is a voice capsule (the reference WAV's prompt prefilled once) kept in a
-VoiceBook (voices.py: per API key; with --capsule-dir on disk too, so it survives a restart).
+VoiceBook (voices.py: per API key; with --capsule-dir on disk too, so it survives a restart;
+with --capsule-redis in Redis, so every server of a fleet has it).
 The checkpoint's voices are predefined for every key: each file of its voices/ folder
 (NAME.safetensors holding one (frames, latent_dim) tensor of voice latents, or NAME.wav),
 `default` being the first by name, or no voice prompt where the folder is absent.
@@ -81,6 +82,7 @@ class SpeechWorker(LeaseWorker):
         """Load options.tts_model on a thread of its own, which then runs all synthesis."""
         self.name = Path(options.tts_model).resolve().name
         self.predefined: dict = {}           # the checkpoint's voices: name -> capsule (or None)
+        self.fingerprint: dict | None = None   # the synthesizer's, which its voices are stored under
         super().__init__(options, "flashrt-speech")
 
     def setup(self) -> list:
@@ -93,6 +95,7 @@ class SpeechWorker(LeaseWorker):
         base = load_synthesizer(o.tts_model, device=o.lm.device, dtype=o.lm.dtype)
         tok = self.tokenizer = base.tokenizer
         self.sample_rate, self.vocab = base.sample_rate, base.net.config.vocab_size
+        self.fingerprint = base.fingerprint
         self.rule = SentenceRule(_marks(tok, _SENTENCE_MARKS), _marks(tok, _CLAUSE_MARKS), CHUNK_TOKENS,
                                  tok.decode)
         # positions a voice may take: a chunk and its frame budget must fit after it
@@ -159,8 +162,14 @@ def add_speech_routes(app: FastAPI, options) -> SpeechWorker | None:
     book = None
     if worker is not None:
         close_on_shutdown(app, worker)
+        shared = None
+        if options.capsule_redis:          # voices shared with the fleet (voices.py)
+            from flashrt.capsules.redis_tier import RedisTier
+            shared = RedisTier.from_url(options.capsule_redis)
         book = VoiceBook(options.voice_bytes, options.max_voices_per_key, options.capsule_dir,
-                         options.lm.device)
+                         options.lm.device, shared, worker.fingerprint)
+        close_on_shutdown(app, book)
+        worker.book = book           # the voice session (voice_session.py) speaks with them too
 
     def need_worker() -> SpeechWorker:
         if worker is None:

@@ -118,8 +118,9 @@ class LeaseWorker:
         self._thread.join(timeout=30)
 
 
-def close_on_shutdown(app: FastAPI, worker: LeaseWorker) -> None:
-    """Stop the worker's thread when the app shuts down (after the app's own shutdown)."""
+def close_on_shutdown(app: FastAPI, worker) -> None:
+    """worker.close() when the app shuts down (after the app's own shutdown): a LeaseWorker's
+    thread stops; anything else with close() (speech.py's VoiceBook) is closed too."""
     inner = app.router.lifespan_context
 
     @contextlib.asynccontextmanager
