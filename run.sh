@@ -36,6 +36,10 @@ setup() {
   # the speech extra (flashrt.speech): Silero VAD's wheel ships its real weights, which the
   # speech tests run (tests/test_speech_vad.py skips without it)
   "$PY" -m pip install -q "silero-vad>=6"
+  # the voice-clients extra: Pipecat, whose OpenAI services tests/test_pipecat.py runs against
+  # flashrt serve (Python >= 3.11); where it does not install, that test skips
+  "$PY" -m pip install -q "pipecat-ai[openai]==1.14.0" \
+      || echo "run.sh: pipecat-ai did not install: tests/test_pipecat.py will skip" >&2
   # the shared capsule tier's tests start a real redis-server (Debian's) on loopback, with TLS
   # certificates made by openssl
   local missing=""

@@ -1,8 +1,8 @@
 """`flashrt serve`: an OpenAI-compatible HTTP server whose conversations live in capsules.
 
 Rule: HTTP only. serve/ reaches the runtime through the public faces of flashrt.lm,
-flashrt.capsules and flashrt.speech (and errors); it never imports core, nn, models, native,
-policy or dev.
+flashrt.capsules, flashrt.speech, flashrt.chat and flashrt.voice (and errors); it never imports
+core, nn, models, native, policy or dev.
 
 Layout: options.py (ServeOptions: every setting, once), server.py (build, the command line),
 wire.py (request models, responses, errors), chat_wire.py (chat requests: messages, tools,
@@ -15,7 +15,8 @@ guard.py (what every request passes: API keys, Host/Origin/content type, size an
 tenants.py (API keys as tenants, capsule namespaces), audio.py, realtime.py and
 audio_wire.py (speech in: the recognizer's routes, with --asr-model), speech.py, speech_wire.py,
 voices.py and stretch.py (speech out: /v1/audio/speech, named voices and `speed`, with
---tts-model), workers.py (LeaseWorker: a speech model's sessions leased to requests). Needs the
-`serve` extra.
+--tts-model), voice_session.py and voice_wire.py (the voice agent at the /v1/voice WebSocket,
+with --max-voice-sessions), workers.py (LeaseWorker: a speech model's sessions leased to
+requests). Needs the `serve` extra.
 """
 from .server import build, main  # noqa: F401

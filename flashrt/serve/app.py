@@ -177,9 +177,12 @@ def create_app(engine, template, model_name: str, options: ServeOptions) -> Fast
     add_session_routes(app, engine, conversations, run, prompts)
     from .audio import add_audio_routes     # speech in: /v1/audio/transcriptions, /v1/realtime
     from .speech import add_speech_routes   # speech out: /v1/audio/speech, /v1/audio/voices
-    for worker in (add_audio_routes(app, options), add_speech_routes(app, options)):
+    from .voice_session import add_voice_routes     # the voice agent: /v1/voice
+    audio, speech = add_audio_routes(app, options), add_speech_routes(app, options)
+    for worker in (audio, speech):
         if worker is not None:
             cards.append({"id": worker.name, "object": "model", "created": 0, "owned_by": "flashrt"})
+    add_voice_routes(app, options, engine, audio, speech)
     return app
 
 

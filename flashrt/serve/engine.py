@@ -210,6 +210,8 @@ class Engine:
                 return Cancellation(rid, job.ended)
             if job.kept is not None and values is None:   # cut already; a bare disconnect
                 return Cancellation(rid, _resolved(list(job.kept)))     # adds nothing
+            if job.cancel is not None and values is None:  # a cut is pending: a disconnect after
+                return Cancellation(rid, job.ended)         # it must not widen it to all sent
             job.cancel = Cut(kind, None if values is None else tuple(values))
             if job.phase == "running":              # the worker applies it before the job ends
                 return Cancellation(rid, job.ended)
@@ -262,6 +264,15 @@ class Engine:
         another model's save, CapsuleCorruptError for a damaged one (moved aside)."""
         fp = self.turns.fingerprint
         return self.call(lambda rt: self._store.load_named(name, tenant, ns, fp), ns)
+
+    def new_session(self):
+        """A language-model session of its own over the loaded weights (options.lm, one
+        session), for a caller that steps it on its own thread (voice_session.py); it shares
+        nothing with the engine's sessions but the weights."""
+        from dataclasses import replace
+
+        from flashrt.lm import LanguageModel
+        return LanguageModel(self.models[0].model, replace(self.options.lm, sessions=1))
 
     def call(self, fn, ns: str = "") -> concurrent.futures.Future:
         """Run fn(session) on the worker when a session is free, the session holding nothing

@@ -54,6 +54,9 @@ class ServeOptions:
     max_voice_s: float = 30.0             # longest reference WAV a voice is made from
     max_voices_per_key: int = 32          # voices a tenant may keep
     voice_budget_mb: float = 512          # memory for voice capsules (all tenants)
+    # the voice agent (voice_session.py): /v1/voice, over the LM, --asr-model and --tts-model
+    max_voice_sessions: int = 0           # concurrent voice sessions; 0: /v1/voice is off
+    voice_idle_s: float = 30.0            # a voice session without a client message this long ends
 
     def __post_init__(self):
         if not isinstance(self.lm, Options):
@@ -78,6 +81,12 @@ class ServeOptions:
         _require(self.max_voices_per_key >= 0,
                  f"--max-voices-per-key must be >= 0, got {self.max_voices_per_key}")
         _require(self.voice_budget_mb > 0, f"--voice-budget-mb must be > 0, got {self.voice_budget_mb}")
+        _require(self.max_voice_sessions >= 0,
+                 f"--max-voice-sessions must be >= 0, got {self.max_voice_sessions}")
+        _require(not self.max_voice_sessions or (self.asr_model and self.tts_model),
+                 "--max-voice-sessions needs --asr-model and --tts-model (the agent hears and speaks "
+                 "with them)")
+        _require(self.voice_idle_s > 0, f"--voice-idle-s must be > 0, got {self.voice_idle_s}")
         if self.api_key is not None:
             tenants.check_key(self.api_key, "--api-key (or FLASHRT_API_KEY)")
         for k in self.api_keys:
@@ -155,7 +164,8 @@ class ServeOptions:
             asr_model=ns.asr_model, asr_sessions=ns.asr_sessions, asr_lookahead=ns.asr_lookahead,
             max_audio_s=ns.max_audio_s, tts_model=ns.tts_model, tts_sessions=ns.tts_sessions,
             max_speech_chars=ns.max_speech_chars, max_voice_s=ns.max_voice_s,
-            max_voices_per_key=ns.max_voices_per_key, voice_budget_mb=ns.voice_budget_mb)
+            max_voices_per_key=ns.max_voices_per_key, voice_budget_mb=ns.voice_budget_mb,
+            max_voice_sessions=ns.max_voice_sessions, voice_idle_s=ns.voice_idle_s)
 
 
 def _require(ok: bool, message: str) -> None:

@@ -96,6 +96,12 @@ def parser(p=None) -> argparse.ArgumentParser:
     p.add_argument("--voice-budget-mb", type=float, default=512,
                    help="memory for voice capsules, all keys (a 507 when full); with --capsule-dir "
                    "voices are on disk too and survive a restart")
+    p.add_argument("--max-voice-sessions", type=int, default=0,
+                   help="serve the voice agent at the /v1/voice WebSocket, this many sessions at once (a "
+                   "429 past them; each holds a language-model session of --max-seq-len); needs "
+                   "--asr-model, --tts-model and silero-vad. 0 (default): off")
+    p.add_argument("--voice-idle-s", type=float, default=30,
+                   help="a voice session whose client sends nothing this long is closed")
     return p
 
 

@@ -10,7 +10,9 @@ recognizer's endpoint fork, preemptive replies dropped by a restore, sentence-wi
 voice capsule, and barge-in that rolls the synthesizer and the language model back to what was
 played. VoiceOptions(without_capsules=True) runs the same models the way voice frameworks do
 today, for comparison. events.py holds the events and TurnTimings; reply.py one reply in the
-making; text.py the conversation's chat rendering and the text between the stages.
+making; text.py the conversation's chat rendering and the text between the stages. pipecat.py
+(the `voice-clients` extra; imported by name only) is for Pipecat pipelines pointed at `flashrt
+serve`: an LLM service whose barge-in cancels the server's reply at what was played.
 """
 from __future__ import annotations
 
