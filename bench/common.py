@@ -236,20 +236,22 @@ def measure_alt(cases: dict, repeats: int, warmup: int, device, desc: str = "") 
     return stats
 
 
-def cached_checkpoint(model_type: str, size: str) -> Path:
+def cached_checkpoint(model_type: str, size: str, chat: bool = False) -> Path:
     """The seed-0 random-weight checkpoint of a model_type at a size, made once and cached in
-    ~/.cache/flashrt/checkpoints (an atomic rename, so racing processes agree)."""
+    ~/.cache/flashrt/checkpoints (an atomic rename, so racing processes agree). chat: with
+    make_checkpoint's chat tokenizer and the released template (same weights), in
+    <model_type>-<size>-seed0-chat."""
     import os
     import shutil
     import tempfile
     from flashrt.models import make_checkpoint
-    d = Path.home() / ".cache" / "flashrt" / "checkpoints" / f"{model_type}-{size}-seed0"
+    d = Path.home() / ".cache" / "flashrt" / "checkpoints" / f"{model_type}-{size}-seed0{'-chat' if chat else ''}"
     if not (d / "flashrt_checkpoint.json").exists():
-        print(f"making random-weight checkpoint {model_type}/{size} (once; cached in {d.parent}) ...",
-              flush=True)
+        print(f"making random-weight checkpoint {model_type}/{size}{' (chat)' if chat else ''} (once; cached "
+              f"in {d.parent}) ...", flush=True)
         d.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(dir=d.parent))      # same filesystem: the rename is atomic
-        make_checkpoint(model_type, size, tmp / "p", seed=0)
+        make_checkpoint(model_type, size, tmp / "p", seed=0, chat=chat)
         try:
             os.replace(tmp / "p", d)
         except OSError:                                  # another process won the race

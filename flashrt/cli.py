@@ -126,9 +126,9 @@ def main(argv=None) -> int:
     serve_parser(s)
     s.set_defaults(fn=cmd_serve)
     b = sub.add_parser("bench", help="run a benchmark: ttft | capsules | ablation | models | serve | redis | "
-                                     "policy | asr | tts | decode | voice")
+                                     "policy | asr | tts | decode | voice | agent")
     b.add_argument("which", choices=["ttft", "capsules", "ablation", "models", "serve", "redis", "policy",
-                                     "asr", "tts", "decode", "voice"])
+                                     "asr", "tts", "decode", "voice", "agent"])
     b.add_argument("rest", nargs=argparse.REMAINDER)
     b.set_defaults(fn=cmd_bench)
     args = ap.parse_args(argv)

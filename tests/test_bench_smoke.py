@@ -238,3 +238,35 @@ def test_voice_bench_quick(tmp_path):
     fl = d["runs"]["flashrt"][0]["turns"]
     assert all(t["prefill_tokens"] < t["context_tokens"] for t in fl[1:])
     assert d["framework"]["measured"] is False and d["framework"]["why"]
+
+
+def test_agent_bench_quick(tmp_path):
+    """bench/agent.py end to end at the tiny shape, 3 steps over real servers: each forced step made
+    one call its tool's schema accepts; each later step reused at least the previous prompt, exactly
+    what the client predicts from the capsules the server stored; the plain turn had the same
+    prompt and cached tokens; the re-prefill server reused nothing; every masked decode sample
+    made its steps under the grammar; llama-cpp run or absent with its reason. Timings recorded,
+    not asserted."""
+    pytest.importorskip("xgrammar")
+    pytest.importorskip("fastapi")
+    out = tmp_path / "agent.json"
+    r = subprocess.run([sys.executable, "bench/agent.py", "--quick", "--no-progress", "--out", str(out)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+    assert "random weights" in r.stdout and "Acceptance (issue 33)" in r.stdout
+    d = json.loads(out.read_text())["data"]
+    assert d["size"] == "tiny" and d["steps"] == 3 and all(d["checks"].values()), d["checks"]
+    cached = lambda x: x["usage"]["prompt_tokens_details"]["cached_tokens"]  # noqa: E731
+    steps = d["runs"]["flashrt"][0]
+    assert [s["forced"] for s in steps] == [True, True, False]
+    assert cached(steps[0]["agent"]) == 0
+    for prev, s in zip(steps, steps[1:]):
+        assert prev["prompt_ids"] <= cached(s["agent"]) == s["predicted_cached"] < s["prompt_ids"], s["step"]
+    for s in steps:
+        assert cached(s["plain"]) == cached(s["agent"]) and s["plain"]["usage"]["prompt_tokens"] == s["prompt_ids"]
+        assert s["agent"]["finish"] in (("tool_calls",) if s["forced"] else ("stop", "length")), s["step"]
+        assert len(s["agent"]["calls"]) == int(s["forced"]), s["step"]
+    assert [cached(x) for x in d["runs"]["reprefill"][0]] == [0, 0, 0]
+    rows = d["mask"]["rows"]
+    assert len(rows) == 3 and all(r["ms_per_step"] > 0 for r in rows.values()) and d["mask"]["all_steps_made"]
+    assert (d["runs"]["llama"] == []) == bool(d["notes"]["llama"])
