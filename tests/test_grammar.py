@@ -218,6 +218,24 @@ def test_rollback_mid_json_then_continue(arch, temperature, runtime):
     assert rt.constraint is None
 
 
+def test_constrain_continues_a_kept_grammar_state(runtime):
+    """constrain(g, accepted=ids): a grammar state its caller kept (a server session's) goes
+    on from the history's last tokens, as the run that never left it; ids that are not the
+    history's tail are refused with the state untouched."""
+    g = Grammar.json_schema(SCHEMA, max_whitespace=1)
+    prompt = _ids(10, 12)
+    ref = runtime("qwen3")
+    head = ref.generate(prompt, max_new_tokens=6, grammar=g)
+    want = ref.generate(max_new_tokens=20)
+    rt = runtime("qwen3")
+    rt.prefill(prompt + head)                    # the context is the caller's: no grammar
+    with pytest.raises(ValueError, match="not the last tokens"):
+        rt.constrain(g, accepted=head[:3])      # generated, but not where the history ends
+    assert rt.constraint is None
+    assert rt.constrain(g, accepted=head).start == 10
+    assert rt.generate(max_new_tokens=20) == want and rt.constraint.ids == head + want
+
+
 @pytest.mark.parametrize("share", [False, True])
 def test_fork_and_restore_continue_bitwise(share, runtime, tmp_path):
     g = Grammar.json_schema(SCHEMA, max_whitespace=1)

@@ -336,15 +336,25 @@ class LanguageModel:
         c = self.constraint
         return set(stop) | (set() if ignore_eos and c is None else set(self.model.eos_ids)), c
 
-    def constrain(self, grammar: Grammar | None) -> Constraint | None:
+    def constrain(self, grammar: Grammar | None, accepted=()) -> Constraint | None:
         """Start `grammar` at the current position (None: end the active one); the tokens
-        committed from here on are accepted by it. Returns the constraint (self.constraint)."""
+        committed from here on are accepted by it. Returns the constraint (self.constraint).
+        accepted: ids it already accepted, the history's last tokens (a grammar state its
+        caller kept, e.g. a server session's): continued, replayed when first used; a
+        ValueError, state untouched, unless they end the history."""
         with self._lock:
+            accepted = [int(t) for t in accepted]
             if grammar is None:
+                if accepted:
+                    raise ValueError("constrain(None, accepted=...): accepted ids need a grammar")
                 self.constraint = None
             else:
                 self.grammars.compile(grammar)
-                self.constraint = Constraint(grammar, self.grammars, self.position)
+                start = self.position - len(accepted)
+                if start < 0 or accepted and self.tokens[start:] != accepted:
+                    raise ValueError(f"constrain: the {len(accepted)} accepted ids are not the last "
+                                     f"tokens of the history (position {self.position})")
+                self.constraint = Constraint(grammar, self.grammars, start, accepted)
             return self.constraint
 
     def seed(self, seed: int) -> None:

@@ -88,8 +88,11 @@ def create_app(engine, template, model_name: str, options: ServeOptions) -> Fast
         room = rt_max - len(ids)
         return min(limit, room) if limit is not None else room
 
-    async def run(request, kind, req, ids, pin=0, conversation=None, default_max=None, plan=None):
-        """plan: a chat reply's (replies.Plan: parser and grammar); logit_bias applies to all."""
+    async def run(request, kind, req, ids, pin=0, conversation=None, default_max=None, plan=None,
+                  resume=None, rid=None):
+        """plan: a chat reply's or completion's (replies.Plan: parser and grammar); logit_bias
+        applies to all. resume: a session turn that appends nothing: the session's grammar state.
+        rid: the job's id (default: a new chatcmpl- / cmpl- one)."""
         check_model(req)
         tenant = tenant_of(request)
         if conversation is not None:
@@ -113,10 +116,10 @@ def create_app(engine, template, model_name: str, options: ServeOptions) -> Fast
                            f"(--draft-tokens {options.draft_tokens})", param=which)
         loop, q = asyncio.get_running_loop(), asyncio.Queue()
         base = req.seed if req.seed is not None else new_seed()
-        job = Job(id=wire.new_id("chatcmpl" if kind == "chat" else "cmpl"), prompt=ids, n=req.n,
+        job = Job(id=rid or wire.new_id("chatcmpl" if kind == "chat" else "cmpl"), prompt=ids, n=req.n,
                   max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
                   seed=req.seed, stops=req.stops(), pin=pin, conversation=conversation,
-                  ignore_eos=req.ignore_eos, decoding=decoding, tenant=tenant, ns=ns,
+                  ignore_eos=req.ignore_eos, decoding=decoding, tenant=tenant, ns=ns, resume=resume,
                   post=lambda ev: loop.call_soon_threadsafe(q.put_nowait, ev))
         job.choices = [Choice(i, TextStream(engine.tokenizer, job.stops), base + i) for i in range(req.n)]
         engine.submit(job)
@@ -161,7 +164,7 @@ def create_app(engine, template, model_name: str, options: ServeOptions) -> Fast
             raise APIError(400, "pin_prefix='system' needs chat messages; give a token count",
                            param="pin_prefix")
         ids = await prompts.ids(p)
-        return await run(request, "text", req, ids, default_max=16)
+        return await run(request, "text", req, ids, default_max=16, plan=await prompts.completion_plan(req))
 
     async def cancel(rid: str, request: Request):
         body = await request.body()
@@ -211,6 +214,14 @@ class Prompts:
             return list(prompt or [])
         self._check(prompt, param)
         return await asyncio.to_thread(self.engine.tokenizer.encode, prompt)
+
+    async def completion_plan(self, req):
+        """replies.Plan of a completion's response_format (None without one), its grammar
+        compiled off the event loop (a refused one is a 400 before the request queues)."""
+        plan = replies.completion_plan(req)
+        if plan is not None:
+            await asyncio.to_thread(self.engine.compile_grammar, plan.grammar)
+        return plan
 
     async def chat(self, req) -> tuple:
         """(ids, pinned prefix length) of a chat request's messages under the template, prepared

@@ -11,7 +11,7 @@ from typing import Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from .wire import APIError, _Common, _echo, _invalid
+from .wire import APIError, ResponseFormat, _Common, _echo, _invalid
 
 
 class CalledFunction(BaseModel):
@@ -95,26 +95,6 @@ class NamedToolChoice(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
     type: Literal["function"]
     function: NamedFunction
-
-
-class JSONSchemaFormat(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
-    description: str | None = None
-    schema_: dict | None = Field(None, alias="schema")     # None: any JSON object
-    strict: bool | None = None
-
-
-class ResponseFormat(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: JSONSchemaFormat | None = None
-
-    @model_validator(mode="after")
-    def _schema_with_its_type(self):
-        if (self.json_schema is not None) != (self.type == "json_schema"):
-            raise ValueError("json_schema is given exactly with type 'json_schema'")
-        return self
 
 
 class ChatRequest(_Common):

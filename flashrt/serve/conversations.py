@@ -3,7 +3,10 @@
 A session is its exact token history. Its model state lives in capsules: every turn end is
 stored (see turn_store.py), so the next turn, a restore or a fork starts from the capsule of that
 history (set_context: restore the longest stored prefix, roll back past a divergence, prefill
-the rest), and a rollback to a position is exact, recurrent state included. Ids are
+the rest), and a rollback to a position is exact, recurrent state included. Its grammar
+state (a turn's response_format cut short by a barge-in, max_tokens or a rollback) goes with
+the history: snapshots, restores, forks and rollbacks carry it, and a turn that appends
+nothing under the same grammar continues it. Ids are
 unguessable (secrets.token_urlsafe) and a session is reachable only through its id, by the
 tenant (API key) that made it: to another it does not exist. One turn at a time per session:
 a second is a 409. Idle sessions expire (ConversationTable). In the code a session is a
@@ -34,11 +37,15 @@ def _quota(message: str) -> APIError:
 
 
 class Conversation:
-    def __init__(self, tokens, tenant: str = "", ns: str = "", table=None):
+    def __init__(self, tokens, tenant: str = "", ns: str = "", table=None, grammar: dict | None = None):
         self.id = "sess-" + secrets.token_urlsafe(18)
         self.tenant, self.ns = tenant, ns       # owner; the namespace its turns reuse in
         self.tokens: tuple = tuple(tokens)
+        # the grammar state at the history's end: a flashrt.lm Constraint.record() (its ids
+        # the history's last tokens), or None; per snapshot too
+        self.grammar = grammar
         self.snapshots: dict[str, tuple] = {}
+        self._snapshot_grammar: dict[str, dict | None] = {}
         self.busy = False
         self.held = 0                            # tokens of its distinct histories
         self._table = table
@@ -55,18 +62,21 @@ class Conversation:
             self._table._charge(self.tenant, held - self.held, grow=grow)
         self.tokens, self.snapshots, self.held = tokens, snapshots, held
 
-    def begin_turn(self) -> list:
+    def begin_turn(self) -> tuple:
+        """(history as a list, grammar state at its end); the session is busy until end_turn."""
         with self._lock:
             if self.busy:
                 raise APIError(409, f"session {self.id} already has a turn in progress", code="session_busy")
             self.busy = True
-            return list(self.tokens)
+            return list(self.tokens), self.grammar
 
-    def end_turn(self, tokens) -> None:
-        """The turn's outcome (prompt + delivered tokens), or None: keep the old history."""
+    def end_turn(self, tokens, grammar: dict | None = None) -> None:
+        """The turn's outcome (prompt + delivered tokens, and the grammar state there), or
+        None: keep the old history."""
         with self._lock:
             if tokens is not None:
                 self._set(tuple(tokens), self.snapshots)
+                self.grammar = grammar
             self.busy = False
 
     def replace_if(self, expected, tokens) -> bool:
@@ -76,6 +86,7 @@ class Conversation:
             if self.busy or expected is None or self.tokens != tuple(expected):
                 return False
             self._set(tuple(tokens), self.snapshots)
+            self.grammar = _cut(self.grammar, len(tokens))
             return True
 
     def _idle(self):
@@ -88,10 +99,13 @@ class Conversation:
             self._idle()
             snaps = dict(self.snapshots)
             if len(snaps) >= MAX_SNAPSHOTS:
-                snaps.pop(next(iter(snaps)))
+                oldest = next(iter(snaps))
+                snaps.pop(oldest)
+                self._snapshot_grammar.pop(oldest, None)
             sid = "snap-" + secrets.token_urlsafe(12)
             snaps[sid] = self.tokens
             self._set(self.tokens, snaps)
+            self._snapshot_grammar[sid] = self.grammar
             return sid
 
     def restore(self, sid: str) -> None:
@@ -101,6 +115,7 @@ class Conversation:
                 raise APIError(404, f"session {self.id} has no snapshot {sid!r}", param="snapshot_id",
                                code="snapshot_not_found")
             self._set(self.snapshots[sid], self.snapshots)
+            self.grammar = self._snapshot_grammar.get(sid)
 
     def rollback(self, position: int) -> None:
         with self._lock:
@@ -110,15 +125,29 @@ class Conversation:
                                f"[0, {len(self.tokens)}]", param="position")
             if position < len(self.tokens):       # a new history: counted (snapshots keep the old)
                 self._set(self.tokens[:position], self.snapshots, grow=True)
+                self.grammar = _cut(self.grammar, position)
 
     def history(self) -> tuple:
         with self._lock:
             return self.tokens
 
+    def state(self) -> tuple:
+        """(history, grammar state at its end), read together."""
+        with self._lock:
+            return self.tokens, self.grammar
+
     def info(self) -> dict:
         with self._lock:
             return {"id": self.id, "object": "session", "position": len(self.tokens),
                     "tokens": list(self.tokens), "snapshots": list(self.snapshots), "busy": self.busy}
+
+
+def _cut(grammar: dict | None, position: int) -> dict | None:
+    """A grammar state of a history cut to `position`: the ids past it dropped; None when the
+    cut is before the grammar's start."""
+    if grammar is None or position < grammar["start"]:
+        return None
+    return {**grammar, "ids": grammar["ids"][: position - grammar["start"]]}
 
 
 class ConversationTable:
@@ -188,12 +217,13 @@ class ConversationTable:
             self._charge(s.tenant, -s.held)   # rewrite of a dropped session counts nowhere
             s._table = None
 
-    def create(self, tokens=(), tenant: str = "", ns: str = "") -> Conversation:
+    def create(self, tokens=(), tenant: str = "", ns: str = "", grammar: dict | None = None) -> Conversation:
+        """A session holding tokens (and the grammar state at their end: a fork's)."""
         tokens = tokens if isinstance(tokens, tuple) else tuple(tokens)
         with self._lock:
             self._make_room(tenant, holds=bool(tokens))
             self._charge(tenant, len(tokens), grow=True)       # refused here: nothing made
-            s = Conversation((), tenant, ns, table=self)
+            s = Conversation((), tenant, ns, table=self, grammar=grammar)
             s.tokens, s.held = tokens, len(tokens)
             self._s[s.id], self._used[s.id] = s, self._clock()
             self._count[tenant] = self._count.get(tenant, 0) + 1

@@ -98,6 +98,9 @@ class Job:
     tenant: str = ""              # who may cancel it (tenants.py)
     ns: str = ""                  # the namespace its prompt is reused from and stored in
     conversation: object = None   # conversations.Conversation the turn belongs to
+    # a session turn appending nothing: the session's grammar state (Constraint.record()),
+    # continued when the turn's grammar is the same (turns.py)
+    resume: dict | None = None
     choices: list = field(default_factory=list)
     cached: int = 0
     phase: str = "queued"         # queued -> running -> (ending ->) done

@@ -4,6 +4,7 @@ output, reasoning, logprobs), and one choice's reply in OpenAI's shapes.
   plan(req, template, prompt)   -> Plan: the format the parser reads (the template's family),
                                    the tools it accepts, how the reply may begin (inside a think
                                    block the prompt opened, ...), the grammar
+  completion_plan(req)          -> Plan of a completion or session turn: response_format only
   decoding(req, plan, vocab)    -> engine.Decoding: grammar, logit_bias, logprobs for the worker
   ReplyStream(plan)             one choice: the text the worker streamed (stop strings already
                                    cut) in, OpenAI delta fields and the final message out
@@ -27,7 +28,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from flashrt.chat import ChatFormat, Content, Reasoning, ReplyParser, ToolCallArguments, ToolCallStart
+from flashrt.chat import PLAIN, ChatFormat, Content, Reasoning, ReplyParser, ToolCallArguments, ToolCallStart
 from flashrt.lm import Grammar
 
 from .chat_wire import NamedToolChoice
@@ -87,14 +88,28 @@ def plan(req, template, prompt: str) -> Plan:
         if tag is not None:
             grammar = _grammar(lambda G: G.tool_calls(list(tools), choice, req.parallel_tool_calls, tag, mode,
                                                       MAX_WHITESPACE), "tools")
-    elif req.response_format is not None and req.response_format.type != "text" and not tools:
-        spec = req.response_format.json_schema
-        if spec is None or spec.schema_ is None:
-            grammar = _grammar(lambda G: G.json_object(mode, MAX_WHITESPACE), "response_format")
-        else:
-            grammar = _grammar(lambda G: G.json_schema(spec.schema_, bool(spec.strict), mode, MAX_WHITESPACE),
-                               "response_format.json_schema.schema")
+    elif not tools:
+        grammar = _format_grammar(req.response_format, mode)
     return Plan(fmt, tools, mode, req.parallel_tool_calls, grammar)
+
+
+def completion_plan(req) -> Plan | None:
+    """The plan of a completion (/v1/completions, a session turn): its response_format's
+    grammar from where the prompt ends, without a reasoning block (no template says one is
+    open); None without one."""
+    grammar = _format_grammar(req.response_format, "disabled")
+    return None if grammar is None else Plan(PLAIN, grammar=grammar)
+
+
+def _format_grammar(fmt, mode: str):
+    """response_format json_object / json_schema as a grammar; None for text or none."""
+    if fmt is None or fmt.type == "text":
+        return None
+    spec = fmt.json_schema
+    if spec is None or spec.schema_ is None:
+        return _grammar(lambda G: G.json_object(mode, MAX_WHITESPACE), "response_format")
+    return _grammar(lambda G: G.json_schema(spec.schema_, bool(spec.strict), mode, MAX_WHITESPACE),
+                    "response_format.json_schema.schema")
 
 
 def _grammar(make, param: str):

@@ -3,8 +3,11 @@
     POST   /v1/sessions                       {"prompt": text | ids}  -> session (prefilled, stored)
     GET    /v1/sessions/{id}                  -> id, position, tokens, snapshots
     DELETE /v1/sessions/{id}
-    POST   /v1/sessions/{id}/completions      a completions body; its prompt is APPENDED to the
-                                              session, the turn's delivered tokens are kept
+    POST   /v1/sessions/{id}/completions      a completions body (response_format too); its prompt
+                                              is APPENDED to the session, the turn's delivered
+                                              tokens are kept; an empty one continues the session
+                                              (under the same response_format, the grammar state
+                                              a cut left: conversations.py)
     POST   /v1/sessions/{id}/snapshot         -> {"snapshot_id"}
     POST   /v1/sessions/{id}/restore          {"snapshot_id"}
     POST   /v1/sessions/{id}/fork             -> a new session with the same history
@@ -80,11 +83,15 @@ def add_session_routes(app, engine, conversations, run, prompts) -> None:
     async def turn(sid: str, request: Request):
         s = mine(sid, request)
         req = wire.parse(wire.CompletionRequest, await request.body())
-        p = req.prompt_one()
-        new = await prompts.ids(p)
-        history = s.begin_turn()
+        new = await prompts.ids(req.prompt_one(empty_ok=True))
+        plan = await prompts.completion_plan(req)
+        history, grammar = s.begin_turn()
         try:
-            return await run(request, "text", req, history + new, conversation=s, default_max=16)
+            if not history and not new:
+                raise APIError(400, f"prompt is empty and so is session {sid}: nothing to continue",
+                               param="prompt")
+            return await run(request, "text", req, history + new, conversation=s, default_max=16,
+                             plan=plan, resume=None if new else grammar)
         except BaseException:
             if s.busy and not engine.has_turn(s):   # refused before the engine took the turn
                 s.end_turn(None)
@@ -106,7 +113,8 @@ def add_session_routes(app, engine, conversations, run, prompts) -> None:
     @app.post("/v1/sessions/{sid}/fork")
     async def fork(sid: str, request: Request):
         s = mine(sid, request)                        # the fork shares the history (no copy)
-        return conversations.create(s.history(), s.tenant, s.ns).info()
+        tokens, grammar = s.state()
+        return conversations.create(tokens, s.tenant, s.ns, grammar).info()
 
     @app.post("/v1/sessions/{sid}/rollback")
     async def rollback(sid: str, request: Request):

@@ -84,10 +84,16 @@ class Turns:
                 cap = rt.snapshot()
             for c in job.choices[1:]:
                 c.rt.restore(cap)
-        grammar = job.decoding.grammar
-        for c in job.choices:       # a restored capsule's grammar record is not this request's
-            if c.rt.constrain(grammar) is not None:
-                c.logits = c.rt.constraint.mask(logits.clone())   # decode() masks the later ones
+        grammar, rec = job.decoding.grammar, job.resume
+        # the session's grammar state goes on under the same grammar (a JSON cut by a barge-in
+        # or a rollback is finished); a restored capsule's grammar record is not this request's
+        accepted = rec["ids"] if rec is not None and grammar is not None and rec["key"] == grammar.key else ()
+        for c in job.choices:
+            con = c.rt.constrain(grammar, accepted)
+            if con is not None and con.terminated:      # it was complete: nothing may follow
+                self._end(job, c, "stop")
+            elif con is not None:
+                c.logits = con.mask(logits.clone())     # decode() masks the later ones
 
     def step(self, job) -> bool:
         """One token per unfinished choice; True when the turn is over (or cancelled)."""
@@ -200,9 +206,10 @@ class Turns:
             elif c.rt.position > kept:      # a speculative round committed past a stop string
                 c.rt.rollback(kept)
             c.pending = False
-        job.outcome = list(job.choices[0].rt.tokens)
+        rt = job.choices[0].rt
+        job.outcome = list(rt.tokens)
         if job.conversation is not None:
-            job.conversation.end_turn(job.outcome)
+            job.conversation.end_turn(job.outcome, None if rt.constraint is None else rt.constraint.record())
         return sum(len(c.ids) for c in job.choices)
 
     def _keep(self, job, c) -> int:

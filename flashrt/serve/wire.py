@@ -150,17 +150,40 @@ class _Common(BaseModel):
         return "max_tokens"
 
 
+class JSONSchemaFormat(BaseModel):
+    """response_format.json_schema (chat, completions and session turns)."""
+    model_config = ConfigDict(extra="forbid", strict=True)
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    schema_: dict | None = Field(None, alias="schema")     # None: any JSON object
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self):
+        if (self.json_schema is not None) != (self.type == "json_schema"):
+            raise ValueError("json_schema is given exactly with type 'json_schema'")
+        return self
+
+
 class CompletionRequest(_Common):
     prompt: Union[str, list[int], list[str], list[list[int]]]
+    response_format: ResponseFormat | None = None     # json_object / json_schema (replies.py)
 
-    def prompt_one(self) -> Union[str, list[int]]:
+    def prompt_one(self, empty_ok: bool = False) -> Union[str, list[int]]:
+        """The one prompt; empty is a 400 unless empty_ok (a session turn that continues)."""
         p = self.prompt
         if isinstance(p, list) and p and isinstance(p[0], (str, list)):
             if len(p) != 1:
                 raise APIError(400, f"batched prompts ({len(p)}) are not supported: send one "
                                "prompt per request (use n for several completions)", param="prompt")
             p = p[0]
-        if isinstance(p, list) and not p or p == "":
+        if (isinstance(p, list) and not p or p == "") and not empty_ok:
             raise APIError(400, "prompt is empty: need at least one token", param="prompt")
         return p
 
