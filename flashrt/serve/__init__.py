@@ -7,7 +7,8 @@ core, nn, models, native, policy or dev.
 Layout: options.py (ServeOptions: every setting, once), server.py (build, the command line),
 wire.py (request models, responses, errors), chat_wire.py (chat requests: messages, tools,
 response formats), replies.py (a chat reply: tool calls, reasoning, grammar, logprobs),
-app.py + session_routes.py (thin routes),
+app.py + session_routes.py (thin routes), responses_wire.py + responses.py (/v1/responses
+over the chat reply path, stored responses),
 events.py (what the worker posts to a request), engine.py (the stepping worker), turns.py (one
 request's turn), text.py (templates, detokenization, stops), turn_store.py (TurnStore: capsule
 memory + disk), conversations.py (Conversation: a /v1/sessions history),

@@ -2,6 +2,7 @@
 
 OpenAI endpoints: GET /v1/models, POST /v1/completions, POST /v1/chat/completions, plus
 POST /v1/{chat/completions,completions}/{id}/cancel (barge-in). Sessions: session_routes.py.
+Responses (/v1/responses): responses.py.
 
 The event loop does no work that grows with a client's input beyond parsing its body: text
 longer than the context can hold is refused by its length, and templates and tokenizing run
@@ -178,6 +179,8 @@ def create_app(engine, template, model_name: str, options: ServeOptions) -> Fast
 
     from .session_routes import add_session_routes
     add_session_routes(app, engine, conversations, run, prompts)
+    from .responses import add_responses_routes     # /v1/responses over the chat reply path
+    add_responses_routes(app, engine, options, run, prompts)
     from .audio import add_audio_routes     # speech in: /v1/audio/transcriptions, /v1/realtime
     from .speech import add_speech_routes   # speech out: /v1/audio/speech, /v1/audio/voices
     from .voice_session import add_voice_routes     # the voice agent: /v1/voice

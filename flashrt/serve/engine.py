@@ -232,6 +232,29 @@ class Engine:
         tokens = list(tokens)
         return self.call(lambda rt: self.turns.remember(rt, tokens, ns) if tokens else None, ns)
 
+    def retain(self, tokens, ns: str = "", keep: bool = True) -> concurrent.futures.Future:
+        """Pin (keep) or unpin the memory store's capsule of exactly `tokens` (namespace ns), so
+        eviction cannot drop it (nor its delta parents); stored again first when it is gone. The
+        Future gives the bytes it keeps, parents included (0 when it cannot be stored: reuse is
+        off, or it does not fit)."""
+        tokens = list(tokens)
+
+        def fn(rt):
+            view = self._store.view(ns)
+            cap, n = view.match(tokens, self.turns.fingerprint)
+            if keep and self.reuse and (cap is None or n != len(tokens)):
+                self.turns.remember(rt, tokens, ns)
+                cap, n = view.match(tokens, self.turns.fingerprint)
+            key = view.key_of(cap.id) if cap is not None and n == len(tokens) else None
+            if key is None:
+                return 0
+            view.pin(key, keep)
+            size = 0
+            while cap is not None:
+                size, cap = size + cap.nbytes, cap.parent_capsule
+            return size
+        return self.call(fn, ns)
+
     def compile_grammar(self, grammar) -> None:
         """Compile a flashrt.lm.Grammar for this model now (off the worker; the sessions share
         the compiled grammars by key), so a refused one is the request's 400 (naming what it

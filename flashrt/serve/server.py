@@ -69,6 +69,10 @@ def parser(p=None) -> argparse.ArgumentParser:
     p.add_argument("--session-idle-s", type=float, default=3600,
                    help="/v1/sessions idle this long expire (and the least recently used idle one "
                    "goes when the table is full)")
+    p.add_argument("--response-ttl-s", type=float, default=86400,
+                   help="stored /v1/responses (and their pinned capsules) are kept this long, or until deleted")
+    p.add_argument("--response-retain-mb", type=float, default=256,
+                   help="memory the capsules of stored responses may hold pinned; past it, store=true is a 507")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads of the engine (default: torch's)")
     p.add_argument("--draft-tokens", type=int, default=0,
                    help="speculative decoding with the checkpoint's MTP layer, this many drafts a "
