@@ -33,6 +33,11 @@ setup() {
   # the agents extra: xgrammar for constrained decoding (flashrt/lm/grammar.py); the torch and
   # triton above satisfy its requirements, so neither is replaced
   "$PY" -m pip install -q "xgrammar==0.2.9"
+  # the agent-clients extra: LangChain, LangGraph, the OpenAI Agents SDK, pydantic-ai and litellm,
+  # which tests/test_agent_clients.py runs against flashrt serve; where they do not install, it skips
+  "$PY" -m pip install -q "langchain-openai==1.8.1" "langgraph==1.2.24" "openai-agents==0.24.0" \
+      "pydantic-ai-slim[openai]==2.68.0" "litellm==1.110.2" \
+      || echo "run.sh: the agent-clients extra did not install: tests/test_agent_clients.py will skip" >&2
   # the speech extra (flashrt.speech): Silero VAD's wheel ships its real weights, which the
   # speech tests run (tests/test_speech_vad.py skips without it)
   "$PY" -m pip install -q "silero-vad>=6"

@@ -303,6 +303,9 @@ def test_xml_format_reads_hermes_json_and_repeated_parameters_keep_the_first():
     ({"type": ["string", "null"]}, "null", None), ({"type": ["integer", "string"]}, "x", "x"),
     ({"anyOf": [{"type": "integer"}, {"type": "null"}]}, "5", 5), ({"enum": [1, 2]}, "2", 2),
     ({}, "[1]", [1]), ({}, "5", "5"), (None, "true", "true"), ({"type": "number"}, "NaN", "NaN"),
+    # a tool grammar's padding around an enum / const string is not the value; a member with blanks is kept
+    ({"type": "string", "enum": ["red", "blue"]}, " \n\nred\t", "red"), ({"enum": ["a", " b"]}, " b", " b"),
+    ({"type": "string", "const": "x"}, "\r x ", "x"), ({"type": "string", "enum": ["red"]}, " rad ", " rad "),
 ])
 def test_xml_parameter_values_follow_the_schema_type(schema, raw, value):
     got = xml_value(raw, schema)

@@ -230,6 +230,28 @@ def test_reply_stream_deltas_fold_to_the_message(seed):
     assert "tool_calls" not in none.message() and "<tool_call>" in none.message()["content"]
 
 
+def test_xml_call_padding_is_not_an_enum_value():
+    """Qwen3.5's tool grammar allows blanks around a value (random weights write them); an enum
+    value comes back as the member, streamed in any split or whole, so the call validates.
+    (LangChain's with_structured_output(method="function_calling") failed on this.)"""
+    text = ('<tool_call>\n<function=pick>\n<parameter=color>  \n\nred\n\n\t</parameter>\n<parameter=n>'
+            '3</parameter>\n<parameter=ok> \ntrue\n</parameter>\n</function>\n</tool_call>')
+    plan = replies.Plan(QWEN3_5, ({"type": "function", "function": {"name": "pick", "parameters": PICK}},))
+    def pieces(delta) -> str:
+        return "".join(t["function"].get("arguments", "") for t in delta[1].get("tool_calls", ()))
+
+    for seed in range(4):
+        s, r, at, args = replies.ReplyStream(plan), random.Random(seed), 0, ""
+        while at < len(text):
+            n = r.randint(1, 7) if seed else len(text)
+            args += pieces(s.feed(text[at: at + n]))
+            at += n
+        args += pieces(s.finish())
+        call = s.message()["tool_calls"][0]["function"]
+        assert call["arguments"] == args == '{"color": "red", "n": 3, "ok": true}', (seed, args)
+        conforms(json.loads(args), PICK)
+
+
 @pytest.mark.parametrize("mode,text,reasoning", [
     ("auto", '\n<think>\nx <think> y\n</think>\n\n{"a": "<think></think>", "b": "</think>"}', "x <think> y"),
     ("enabled", 'hmm\n</think>\n\n{"a": "<tool_call>"}', "hmm"),

@@ -209,6 +209,11 @@ def xml_value(raw: str, schema: Any) -> Any:
     are parsed, everything else stays a string."""
     types = _types(schema)
     if types == {"string"}:
+        # an enum / const value with blanks around: the padding a tool grammar allows around
+        # the value (xgrammar's XML tag), not part of it
+        allowed = schema.get("enum", [schema["const"]] if "const" in schema else None)
+        if isinstance(allowed, list) and raw not in allowed and raw.strip() in allowed:
+            return raw.strip()
         return raw
     ok, value = _json(raw)
     if not ok and raw.strip() in ("True", "False", "None"):
