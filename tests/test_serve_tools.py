@@ -49,7 +49,9 @@ def conforms(value, schema) -> None:
 
 
 def serve(ckpt, arch):
-    return Server(ckpt(arch, "tiny", chat=True), "--max-sessions", "2", "--max-seq-len", "2048")
+    # one engine thread: two stall when other processes share a 2-core machine (tiny shapes)
+    return Server(ckpt(arch, "tiny", chat=True), "--max-sessions", "2", "--max-seq-len", "2048",
+                  "--threads", "1")
 
 
 @pytest.fixture(scope="module")
