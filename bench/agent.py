@@ -554,6 +554,8 @@ def tables(a, rows, mask, notes, load_note) -> list:
                     "back to a shared prefix, and it holds none at a prompt end",
                     f"llama-cpp's own step-1 call: {call['name']} {call['arguments']} ("
                     + ("valid" if call["valid"] else "not valid") + " against the tool's schema)"]
+        if notes["llama"]:
+            t.notes.append(notes["llama"])
     else:
         t.notes.append(f"llama-cpp-python: not measured ({notes['llama']})")
     t.notes.append(C.RANDOM_NOTE + "; the chat checkpoint's tokenizer has one token per byte (prompts ~3-4x "
@@ -651,10 +653,18 @@ def main(argv=None) -> int:
             log.take()
             first_tool = trajectory[0]["agent"]["calls"][0]["name"]
             for rep in C.progress(range(a.repeats), desc="llama-cpp"):
-                runs["llama"].append(llama_loop(srv, client, log, trajectory, a, biases, first_tool))
-            own = runs["llama"][0][0]
-            notes["llama_call"] = {**(own["calls"] or [{"name": first_tool, "arguments": ""}])[0],
-                                   "valid": own["call_valid"]}
+                try:
+                    runs["llama"].append(llama_loop(srv, client, log, trajectory, a, biases, first_tool))
+                except (httpx.HTTPError, KeyError, ValueError) as e:
+                    # a column of another program: its failure keeps the rows measured so far
+                    notes["llama"] = (f"llama-cpp-python's server failed in repeat {rep + 1} "
+                                      f"({type(e).__name__}: {e}); {len(runs['llama'])} repeats kept; "
+                                      f"its log: {srv.log_path}")
+                    break
+            if runs["llama"]:
+                own = runs["llama"][0][0]
+                notes["llama_call"] = {**(own["calls"] or [{"name": first_tool, "arguments": ""}])[0],
+                                       "valid": own["call_valid"]}
             log.f.close()
         finally:
             srv.stop()

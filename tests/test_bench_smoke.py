@@ -10,15 +10,20 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def run_bench(script: str, tmp_path, *args, timeout: int = 600) -> tuple:
+    """bench/<script>.py --quick, its JSON in tmp_path: (stdout, the JSON's data)."""
+    path = tmp_path / f"{script}.json"
+    r = subprocess.run([sys.executable, f"bench/{script}.py", "--quick", "--no-progress", "--out", str(path), *args],
+                       cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+    return r.stdout, json.loads(path.read_text())["data"]
+
+
 def test_capsules_bench_quick(tmp_path):
-    out = tmp_path / "capsules.json"
-    r = subprocess.run([sys.executable, "bench/capsules.py", "--quick", "--size", "tiny",
-                        "--arch", "qwen3,qwen3_5", "--no-progress", "--out", str(out),
-                        "--tmpdir", str(tmp_path)],
-                       cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
-    assert "flashrt.native._C" in r.stdout and "unavailable" not in r.stdout   # native paths measured
-    results = json.loads(out.read_text())["data"]["results"]
+    text, data = run_bench("capsules", tmp_path,
+                           "--size", "tiny", "--arch", "qwen3,qwen3_5", "--tmpdir", str(tmp_path))
+    assert "flashrt.native._C" in text and "unavailable" not in text   # native paths measured
+    results = data["results"]
     assert [x["arch"] for x in results] == ["qwen3", "qwen3_5"]
     for res in results:
         assert res["all_exact"], res["arch"]              # restored / loaded bytes == snapshot's
@@ -31,11 +36,8 @@ def test_capsules_bench_quick(tmp_path):
 
 def test_redis_bench_quick(tmp_path):
     """bench/redis_tier.py end to end: node B reuses the whole turn 1 from Redis, cold-equal."""
-    out = tmp_path / "redis_tier.json"
-    r = subprocess.run([sys.executable, "bench/redis_tier.py", "--quick", "--no-progress", "--out", str(out)],
-                       cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
-    for run in json.loads(out.read_text())["data"]["runs"]:
+    _, data = run_bench("redis_tier", tmp_path)
+    for run in data["runs"]:
         assert set(run["reused"]) == {run["prefix"]}           # every timed turn 2 hit Redis
         assert run["max_dlogit_vs_cold"] < 1e-4
 
@@ -43,12 +45,8 @@ def test_redis_bench_quick(tmp_path):
 def test_policy_bench_quick(tmp_path):
     """bench/policy.py end to end on the tiny SmolVLA without the LeRobot venv (its column is
     skipped with a note: CI has no LeRobot venv). Timings are not asserted, only recorded."""
-    out = tmp_path / "policy.json"
-    r = subprocess.run([sys.executable, "bench/policy.py", "--quick", "--no-progress", "--out", str(out),
-                        "--lerobot-python", ""], cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
-    assert "LeRobot column skipped" in r.stdout and "random weights" in r.stdout
-    d = json.loads(out.read_text())["data"]
+    text, d = run_bench("policy", tmp_path, "--lerobot-python", "")
+    assert "LeRobot column skipped" in text and "random weights" in text
     for k in ("vision", "prefix", "denoise", "chunk", "control", "reset", "reset_zero", "rebuild"):
         assert d["flashrt"][k]["n"] == 1 and d["flashrt"][k]["median_ms"] > 0, k
     assert d["lerobot"] == {} and d["max_abs_diff"] is None
@@ -58,11 +56,7 @@ def test_serve_bench_quick(tmp_path):
     """bench/serve.py end to end on the tiny model (no llama-cpp venv in CI): every turn after
     the first restores exactly the previous turn's end (prompt + delivered reply; one token per
     character in the text checkpoint), the barge-in turn included; the baseline reuses nothing."""
-    out = tmp_path / "serve.json"
-    r = subprocess.run([sys.executable, "bench/serve.py", "--quick", "--no-progress", "--out", str(out)],
-                       cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
-    d = json.loads(out.read_text())["data"]
+    _, d = run_bench("serve", tmp_path)
     turns = d["runs"]["flashrt"][0]
     assert turns[0]["cached"] == 0 and len(turns) == 5
     for prev, t in zip(turns, turns[1:]):
@@ -79,12 +73,7 @@ def test_linear_bench_quick(tmp_path, dtype, tol):
     from flashrt import native
     if not native.SMALL_M_LINEAR:
         pytest.skip(f"the small-M kernel does not run here: {native.ext_status()}")
-    out = tmp_path / "linear.json"
-    r = subprocess.run([sys.executable, "bench/linear.py", "--quick", "--rows", "1", "3", "16",
-                        "--dtype", dtype, "--no-progress", "--out", str(out)],
-                       cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
-    data = json.loads(out.read_text())["data"]
+    _, data = run_bench("linear", tmp_path, "--rows", "1", "3", "16", "--dtype", dtype, timeout=300)
     from test_models import _onednn_runs_bf16
     kernels = {"small-M", "F.linear"}
     kernels |= {"onednn"} if dtype == "float32" or _onednn_runs_bf16() else set()
@@ -97,11 +86,8 @@ def test_speculative_bench_quick(tmp_path):
     """bench/speculative.py end to end (the trained default model and tiny): every speculative
     run, MTP drafts and injected oracle / always-wrong drafters, equals plain greedy. It broke
     unnoticed once (a stale constructor call after the Session redesign)."""
-    out = tmp_path / "speculative.json"
-    r = subprocess.run([sys.executable, "bench/speculative.py", "--quick", "--no-progress", "--out", str(out)],
-                       cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
-    results = json.loads(out.read_text())["data"]["results"]
+    _, data = run_bench("speculative", tmp_path)
+    results = data["results"]
     assert [x["size"] for x in results] == ["trained", "tiny"]
     for res in results:
         runs = {k: v for k, v in res["end_to_end"].items() if k != "plain"}
@@ -120,12 +106,8 @@ def test_asr_bench_quick(tmp_path):
     pushing), the endpoint fork flushes exactly the pending frames and leaves the live stream to
     continue bitwise. Timings are recorded, not asserted."""
     pytest.importorskip("transformers")
-    out = tmp_path / "asr.json"
-    r = subprocess.run([sys.executable, "bench/asr.py", "--quick", "--no-progress", "--out", str(out)],
-                       cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
-    assert "random weights" in r.stdout
-    d = json.loads(out.read_text())["data"]
+    text, d = run_bench("asr", tmp_path)
+    assert "random weights" in text
     assert d["size"] == "tiny" and d["lookaheads"] == [0, 6]
     for R, row in d["rtf"].items():
         assert row["flashrt"]["median_ms"] > 0 and row["transformers"]["median_ms"] > 0, R
@@ -150,12 +132,8 @@ def test_tts_bench_quick(tmp_path):
     loop (noise passed in) is its generate and is flashrt's within tolerance; rollback_to_played
     equals regenerating the played frames; capsule sizes add up. Timings recorded, not asserted."""
     pytest.importorskip("transformers")
-    out = tmp_path / "tts.json"
-    r = subprocess.run([sys.executable, "bench/tts.py", "--quick", "--no-progress", "--out", str(out)],
-                       cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
-    assert "random weights" in r.stdout
-    d = json.loads(out.read_text())["data"]
+    text, d = run_bench("tts", tmp_path)
+    assert "random weights" in text
     assert d["size"] == "tiny" and not d.get("partial")
     tt = d["ttfa"]
     assert set(tt["stats"]) == {f"{s} {k}" for s in ("flashrt", "transformers") for k in ("wav", "latents")} \
@@ -187,12 +165,8 @@ def test_decode_bench_quick(tmp_path):
     flashrt, transformers in the float formats only, llama.cpp run or skipped with its reason,
     and the int8 quality table on the shipped trained model. Timings are recorded, not asserted."""
     pytest.importorskip("transformers")
-    out = tmp_path / "decode.json"
-    r = subprocess.run([sys.executable, "bench/decode.py", "--quick", "--no-progress", "--out", str(out)],
-                       cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
-    assert "random weights" in r.stdout and "Acceptance (issue)" in r.stdout
-    d = json.loads(out.read_text())["data"]
+    text, d = run_bench("decode", tmp_path)
+    assert "random weights" in text and "Acceptance (issue)" in text
     assert [x["format"] for x in d["runs"]] == ["float32", "bfloat16", "int8"]
     for run in d["runs"]:
         assert [int(P) for P in run["rows"]] == d["positions"]
@@ -213,12 +187,8 @@ def test_voice_bench_quick(tmp_path):
     without, every turn re-prefilled and the lookahead waited out; one barge-in during turn 4's
     reply, keeping a cut of it; the model holds the conversation. Timings recorded, not asserted."""
     pytest.importorskip("silero_vad")
-    out = tmp_path / "voice.json"
-    r = subprocess.run([sys.executable, "bench/voice.py", "--quick", "--no-progress", "--out", str(out)],
-                       cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
-    assert "random weights" in r.stdout and "Acceptance (issue)" in r.stdout
-    d = json.loads(out.read_text())["data"]
+    text, d = run_bench("voice", tmp_path)
+    assert "random weights" in text and "Acceptance (issue)" in text
     assert d["size"] == "tiny" and d["barge_in_turn"] == 4 and len(d["turns"]) == 8
     assert set(d["runs"]) == {"flashrt", "baseline"}
     for mode, runs in d["runs"].items():
@@ -249,12 +219,8 @@ def test_agent_bench_quick(tmp_path):
     not asserted."""
     pytest.importorskip("xgrammar")
     pytest.importorskip("fastapi")
-    out = tmp_path / "agent.json"
-    r = subprocess.run([sys.executable, "bench/agent.py", "--quick", "--no-progress", "--out", str(out)],
-                       cwd=ROOT, capture_output=True, text=True, timeout=900)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
-    assert "random weights" in r.stdout and "Acceptance (issue 33)" in r.stdout
-    d = json.loads(out.read_text())["data"]
+    text, d = run_bench("agent", tmp_path, timeout=900)
+    assert "random weights" in text and "Acceptance (issue 33)" in text
     assert d["size"] == "tiny" and d["steps"] == 3 and all(d["checks"].values()), d["checks"]
     cached = lambda x: x["usage"]["prompt_tokens_details"]["cached_tokens"]  # noqa: E731
     steps = d["runs"]["flashrt"][0]

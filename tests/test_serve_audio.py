@@ -22,7 +22,6 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
-import torch
 
 pytest.importorskip("fastapi")
 pytest.importorskip("openai")
@@ -70,13 +69,7 @@ def chirp(seconds: float) -> np.ndarray:
     return (0.3 * tone * 32767).astype(np.int16)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One intra-op thread for the in-process references (the server shares the 2 cores)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")   # conftest: tiny ops contend on 2 threads
 
 
 @pytest.fixture(scope="module")

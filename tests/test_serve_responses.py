@@ -220,18 +220,10 @@ def test_unknown_ids(server):
     assert httpx.get(server.url + "/v1/responses/resp-nope").status_code == 404
 
 
-@needs_xgrammar
-@pytest.mark.parametrize("streamed", [False, True], ids=["run", "streamed"])
-def test_agents_sdk_tool_agent(server, streamed):
-    """The Agents SDK's default model (OpenAIResponsesModel, /v1/responses) runs a tool agent:
-    the forced call reaches the tool with schema-valid arguments, its output goes back as a
-    function_call_output item, and the run ends in a final text answer."""
-    agents = pytest.importorskip("agents")
-    import asyncio
-
+def weather_agent(agents, server, seen: list, **agent_kw):
+    """An Agents SDK agent on OpenAIResponsesModel whose forced tool call lands in `seen`."""
     from openai.types.shared import Reasoning
     agents.set_tracing_disabled(True)
-    seen = []
 
     @agents.function_tool      # bounded arguments: random weights could write an endless integer
     def get_weather(city: Literal["paris", "rome"], metric: bool) -> str:
@@ -240,13 +232,25 @@ def test_agents_sdk_tool_agent(server, streamed):
         return "sunny"
 
     client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
-    agent = agents.Agent(name="weather", instructions="Answer with the tool.", tools=[get_weather],
-                         model=agents.OpenAIResponsesModel(model=server.model, openai_client=client),
-                         model_settings=agents.ModelSettings(tool_choice="required", temperature=0,
-                                                             max_tokens=300, parallel_tool_calls=False,
-                                                             # thinking off: random weights think on
-                                                             reasoning=Reasoning(effort="minimal")),
-                         tool_use_behavior="stop_on_first_tool")
+    return agents.Agent(name="weather", instructions="Answer with the tool.", tools=[get_weather],
+                        model=agents.OpenAIResponsesModel(model=server.model, openai_client=client),
+                        model_settings=agents.ModelSettings(tool_choice="required", temperature=0,
+                                                            max_tokens=300, parallel_tool_calls=False,
+                                                            # thinking off: random weights think on
+                                                            reasoning=Reasoning(effort="minimal")),
+                        **agent_kw)
+
+
+@needs_xgrammar
+@pytest.mark.parametrize("streamed", [False, True], ids=["run", "streamed"])
+def test_agents_sdk_tool_agent(server, streamed):
+    """The Agents SDK's default model (OpenAIResponsesModel, /v1/responses) runs a tool agent:
+    the forced call reaches the tool with schema-valid arguments, its output goes back as a
+    function_call_output item, and the run ends in a final text answer."""
+    agents = pytest.importorskip("agents")
+    import asyncio
+    seen = []
+    agent = weather_agent(agents, server, seen, tool_use_behavior="stop_on_first_tool")
 
     async def go():
         if not streamed:
@@ -272,24 +276,8 @@ def test_agents_sdk_tool_loop(server, chained):
     first's call and output)."""
     agents = pytest.importorskip("agents")
     import asyncio
-
-    from openai.types.shared import Reasoning
-    agents.set_tracing_disabled(True)
     seen = []
-
-    @agents.function_tool
-    def get_weather(city: Literal["paris", "rome"], metric: bool) -> str:
-        """Weather in a city."""
-        seen.append((city, metric))
-        return "sunny"
-
-    client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
-    agent = agents.Agent(name="weather", instructions="Answer with the tool.", tools=[get_weather],
-                         model=agents.OpenAIResponsesModel(model=server.model, openai_client=client),
-                         model_settings=agents.ModelSettings(tool_choice="required", temperature=0, max_tokens=300,
-                                                             parallel_tool_calls=False,
-                                                             reasoning=Reasoning(effort="minimal")),
-                         reset_tool_choice=False)
+    agent = weather_agent(agents, server, seen, reset_tool_choice=False)
     with pytest.raises(agents.exceptions.MaxTurnsExceeded):
         asyncio.run(agents.Runner.run(agent, "Weather?", max_turns=2, auto_previous_response_id=chained))
     assert len(seen) == 2 and all(c in ("paris", "rome") and type(m) is bool for c, m in seen)

@@ -55,13 +55,7 @@ def pcm_of(data: bytes) -> np.ndarray:
     return np.frombuffer(data, "<i2").astype(np.int32)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One intra-op thread for the in-process references, as the server runs (--threads 1)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")   # conftest: tiny ops contend on 2 threads
 
 
 @pytest.fixture(scope="module")

@@ -73,13 +73,7 @@ def voice_wav() -> bytes:
             + struct.pack("<I", len(fmt)) + fmt + b"data" + struct.pack("<I", len(data)) + data)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One intra-op thread for the in-process references, as the server runs (--threads 1)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")   # conftest: tiny ops contend on 2 threads
 
 
 @pytest.fixture(scope="module")

@@ -39,14 +39,7 @@ def as_float(pcm: torch.Tensor) -> torch.Tensor:
     return pcm.float() / 32768.0           # what VoiceActivity does with int16
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One intra-op thread here (a 32 ms chunk is ~100 small ops: more threads only contend),
-    and the count as it was afterwards (importing silero_vad also sets it to 1)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")   # conftest: tiny ops contend on 2 threads
 
 
 @pytest.fixture(scope="module")

@@ -44,14 +44,7 @@ def silence(seconds: float, seed: int = 0) -> torch.Tensor:
     return (torch.randn(int(seconds * 16000), generator=g) * 30).to(torch.int16)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One intra-op thread (the VAD's and the tiny models' ops are small: more threads contend),
-    and the count as it was afterwards."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")   # conftest: tiny ops contend on 2 threads
 
 
 @pytest.fixture(scope="module")

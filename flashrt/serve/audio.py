@@ -23,7 +23,7 @@ from fastapi.responses import PlainTextResponse
 
 from . import audio_wire
 from .wire import APIError
-from .workers import Lease, LeasedStream, LeaseWorker, close_on_shutdown
+from .workers import Lease, LeasedStream, LeaseWorker, close_on_shutdown, need
 
 # audio per worker call: other sessions' calls interleave between pieces (live sockets wait
 # at most one piece), a vanished client is noticed between them, stream=true sends a delta each
@@ -76,12 +76,10 @@ def add_audio_routes(app: FastAPI, options) -> AudioWorker | None:
     if worker is not None:
         close_on_shutdown(app, worker)
 
-    def need_worker() -> AudioWorker:
-        if worker is None:
-            raise APIError(404, "speech is off on this server: start flashrt serve with --asr-model DIR "
-                           "(a nemotron_asr_streaming checkpoint) for /v1/audio/transcriptions and "
-                           "/v1/realtime", code="asr_not_enabled")
-        return worker
+    need_worker = need(worker, "asr_not_enabled", (
+        "speech is off on this server: start flashrt serve with --asr-model DIR "
+        "(a nemotron_asr_streaming checkpoint) for /v1/audio/transcriptions and "
+        "/v1/realtime"))
 
     def check_model(model: str) -> None:
         if model and model != worker.name:

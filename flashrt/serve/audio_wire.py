@@ -7,6 +7,7 @@ a token's text is its id as "<id>".
 """
 from __future__ import annotations
 
+import json
 import secrets
 import struct
 from dataclasses import dataclass
@@ -226,6 +227,19 @@ def event(type_: str, **fields) -> dict:
 
 def error_event(err: APIError, client_event_id: str | None = None) -> dict:
     return event("error", error={**err.body()["error"], "event_id": client_event_id})
+
+
+def json_event(msg: dict, binary: str, code: str = "invalid_event") -> dict:
+    """A WebSocket text frame's JSON event object; binary, code: the error for a binary frame here."""
+    if msg.get("text") is None:
+        raise APIError(400, binary, code=code)
+    try:
+        ev = json.loads(msg["text"])
+    except ValueError as e:
+        raise APIError(400, f"invalid JSON event: {e}", code="invalid_json") from None
+    if not isinstance(ev, dict):
+        raise APIError(400, "an event must be a JSON object", code="invalid_event")
+    return ev
 
 
 def new_id(prefix: str = "item") -> str:

@@ -23,7 +23,7 @@ from fastapi import WebSocket
 from starlette.websockets import WebSocketDisconnect
 
 from . import audio_wire
-from .audio_wire import error_event, event, new_id, render
+from .audio_wire import error_event, event, json_event, new_id, render
 from .guard import error_response
 from .wire import APIError
 
@@ -276,14 +276,7 @@ async def _serve(ws: WebSocket, w, lease) -> None:
             return
         eid = None
         try:
-            if msg.get("text") is None:
-                raise APIError(400, "send events as JSON text frames", code="invalid_event")
-            try:
-                ev = json.loads(msg["text"])
-            except ValueError as e:
-                raise APIError(400, f"invalid JSON event: {e}", code="invalid_json") from None
-            if not isinstance(ev, dict):
-                raise APIError(400, "an event must be a JSON object", code="invalid_event")
+            ev = json_event(msg, "send events as JSON text frames")
             eid, kind = ev.get("event_id"), ev.get("type")
             if kind == "input_audio_buffer.append":
                 pcm = _pcm(ev, w.sample_rate)

@@ -42,7 +42,7 @@ from .speech_wire import DEFAULT_VOICE
 from .stretch import TimeStretch
 from .voices import VoiceBook
 from .wire import APIError, _echo
-from .workers import LeasedStream, LeaseWorker, close_on_shutdown
+from .workers import LeasedStream, LeaseWorker, close_on_shutdown, need
 
 CHUNK_TOKENS = 50          # transformers' split_text max_tokens
 _SENTENCE_MARKS, _CLAUSE_MARKS = (".", "!", "...", "?"), (",", ";", ":")
@@ -171,12 +171,9 @@ def add_speech_routes(app: FastAPI, options) -> SpeechWorker | None:
         close_on_shutdown(app, book)
         worker.book = book           # the voice session (voice_session.py) speaks with them too
 
-    def need_worker() -> SpeechWorker:
-        if worker is None:
-            raise APIError(404, "speech out is off on this server: start flashrt serve with --tts-model "
-                           "DIR (a pocket_tts checkpoint) for /v1/audio/speech and /v1/audio/voices",
-                           code="tts_not_enabled")
-        return worker
+    need_worker = need(worker, "tts_not_enabled", (
+        "speech out is off on this server: start flashrt serve with --tts-model "
+        "DIR (a pocket_tts checkpoint) for /v1/audio/speech and /v1/audio/voices"))
 
     async def voice_of(tenant: str, name: str):
         if name in worker.predefined:

@@ -57,11 +57,11 @@ from flashrt.capsules import CapsuleError
 from flashrt.voice import VoiceAgent, VoiceOptions
 
 from . import speech_wire, voice_wire
-from .audio_wire import error_event, event, new_id
+from .audio_wire import error_event, event, json_event, new_id
 from .guard import tenant_of
 from .realtime import deny
 from .wire import APIError, _echo
-from .workers import LeaseWorker, close_on_shutdown
+from .workers import LeaseWorker, close_on_shutdown, need
 
 PIECE_S = 0.5            # audio per worker call: other sessions' calls interleave between pieces
 MAX_FRAME = 1 << 19      # bytes a client message may hold (16 s of 16 kHz PCM16 in a binary frame)
@@ -152,12 +152,9 @@ def add_voice_routes(app: FastAPI, options, engine, audio, speech) -> VoiceWorke
     if worker is not None:
         close_on_shutdown(app, worker)
 
-    def need_worker() -> VoiceWorker:
-        if worker is None:
-            raise APIError(404, "the voice agent is off on this server: start flashrt serve with "
-                           "--max-voice-sessions N, --asr-model DIR and --tts-model DIR for /v1/voice",
-                           code="voice_not_enabled")
-        return worker
+    need_worker = need(worker, "voice_not_enabled", (
+        "the voice agent is off on this server: start flashrt serve with "
+        "--max-voice-sessions N, --asr-model DIR and --tts-model DIR for /v1/voice"))
 
     @app.get("/v1/voice/sessions")
     async def voice_sessions():
@@ -229,16 +226,8 @@ class _Inbox:
 
 
 def _json(msg) -> dict:
-    if msg.get("text") is None:
-        raise APIError(400, "the first message must be the session.update JSON event, got a binary frame",
-                       code="session_update_expected")
-    try:
-        ev = json.loads(msg["text"])
-    except ValueError as e:
-        raise APIError(400, f"invalid JSON event: {e}", code="invalid_json") from None
-    if not isinstance(ev, dict):
-        raise APIError(400, "an event must be a JSON object", code="invalid_event")
-    return ev
+    return json_event(msg, "the first message must be the session.update JSON event, got a binary frame",
+                      "session_update_expected")
 
 
 async def _voice(w: VoiceWorker, tenant: str, name: str):

@@ -147,3 +147,12 @@ class LeasedStream(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             self._release()
+
+
+def need(worker, code: str, off: str):
+    """A route's accessor of its worker: the worker, or a 404 (off: how to turn it on)."""
+    def get():
+        if worker is None:
+            raise APIError(404, off, code=code)
+        return worker
+    return get
