@@ -31,6 +31,7 @@ RULES = {
     "serve": {"lm", "capsules", "speech", "chat", "voice"},
     "dev": {"*"},
     "cli": {"lm", "serve", "dev", "models", "native"},
+    "integrations": set(),
 }
 ALWAYS = {"errors", "version"}
 FACES_ONLY = {"serve": {"lm", "speech", "voice"}, "voice": {"lm", "speech"}}   # through faces, not modules

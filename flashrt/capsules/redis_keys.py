@@ -11,6 +11,8 @@ Every script gets ARGV[1] = the key prefix "<ns>:{<fp>}:". Keys under it:
     lens / lenrc        zset and refcounts of the prefix lengths that have an index entry
     kids                hash id -> number of stored delta children (a parent is never evicted)
     names               hash name -> id of the capsule stored under that name (RedisTier.put_named)
+    r::<ns>:<key>       a record of store namespace <ns> (RedisTier.put_record: e.g. a serve
+                        response's token history; its own TTL, outside the budget)
 Meta fields: n tokens, d prefix digest, b value bytes, k chunks, u upload nonce, p parent id
 ("" for none), x = 1 when this capsule owns its index entry; a named capsule's also c = the
 capsule's own id (its id here is a fresh "n<hex>", so each name owns its value).

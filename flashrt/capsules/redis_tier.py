@@ -43,6 +43,10 @@ name raises FileExistsError (drop_named first). It counts against budget_bytes: 
 capsules are evicted to make room only when the pinned ones leave enough, else it is refused
 (False), never stored to be evicted. A damaged value is a miss, counted and deleted with its name.
 
+Records (put_record / get_record / drop_record): small values beside the capsules, e.g. a
+server's index of response ids to token histories, so another server resolves an id made here;
+each expires with its own TTL and is not counted in budget_bytes.
+
 Faults: every public method returns a miss or drops the publish on connection errors and
 timeouts (put_named: False; names, drop_named: None, telling "cannot ask" from "none").
 socket_timeout bounds one call; after `failures` consecutive errors the circuit opens and for
@@ -226,6 +230,31 @@ class RedisTier:
         n = self._guard(self._run, None, "unname", self._prefix(fingerprint, namespace), [],
                         _check_name(name), "")
         return None if n is None else bool(n)
+
+    # ---- records: small values beside the capsules (a server's response index) --------------
+    def put_record(self, key: str, value: bytes, fingerprint: dict, namespace: str = "",
+                   ttl_s: float | None = None) -> bool:
+        """Store `value` as record `key` of `namespace` under `fingerprint`'s keys, replacing it,
+        expiring after ttl_s (None: the tier's TTL); not counted in budget_bytes. False: not
+        stored (Redis unreachable, closed); logged. Records are not in stats()."""
+        k = self._record_key(key, fingerprint, namespace)
+        ms = max(1, int(ttl_s * 1000)) if ttl_s is not None else self.ttl_ms or None
+        return False if self._closed else self._guard(lambda: bool(self.client.set(k, value, px=ms)), False)
+
+    def get_record(self, key: str, fingerprint: dict, namespace: str = "") -> bytes | None:
+        """The value of record `key` of `namespace` of this model, or None (none, a Redis fault)."""
+        k = self._record_key(key, fingerprint, namespace)
+        return None if self._closed else self._guard(self.client.get, None, k)
+
+    def drop_record(self, key: str, fingerprint: dict, namespace: str = "") -> bool | None:
+        """Forget record `key`: True; False when there was none; None when Redis cannot be asked."""
+        n = None if self._closed else self._guard(self.client.delete, None,
+                                                  self._record_key(key, fingerprint, namespace))
+        return None if n is None else bool(n)
+
+    def _record_key(self, key: str, fp: dict, namespace: str) -> str:
+        # "r::": a namespace holds no ':', so no namespace's own keys start with it
+        return self._prefix(fp) + f"r::{_check_ns(namespace)}:{_check_name(key)}"
 
     # ---- internals: calls -----------------------------------------------------------------
     def _prefix(self, fp: dict, namespace: str = "") -> str:

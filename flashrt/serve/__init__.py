@@ -8,7 +8,10 @@ Layout: options.py (ServeOptions: every setting, once), server.py (build, the co
 wire.py (request models, responses, errors), chat_wire.py (chat requests: messages, tools,
 response formats), replies.py (a chat reply: tool calls, reasoning, grammar, logprobs),
 app.py + session_routes.py (thin routes), responses_wire.py + responses.py (/v1/responses
-over the chat reply path, stored responses),
+over the chat reply path), response_index.py + response_store.py (the durable id-to-history
+index of stored responses and chat completions, their held capsules, /v1/flashrt/retain), idempotency.py (the Idempotency-Key header:
+exactly-once chat and responses calls, records shared through --capsule-redis), single_use.py
+(consume-once continuations of a response made with flashrt.single_use),
 events.py (what the worker posts to a request), engine.py (the stepping worker), turns.py (one
 request's turn), text.py (templates, detokenization, stops), turn_store.py (TurnStore: capsule
 memory + disk), conversations.py (Conversation: a /v1/sessions history),

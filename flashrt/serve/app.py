@@ -23,13 +23,14 @@ from starlette.exceptions import HTTPException
 
 from flashrt.chat import prepare_messages, template_kwargs
 
-from . import chat_wire, replies, wire
+from . import chat_wire, idempotency, replies, wire
 from .conversations import ConversationTable
 from .engine import Choice, Job, new_seed, wait
 from .events import FINAL, Cancelled, Delta, Done, Failed, Finished
 # the limits of every request (API key, Host, content type, body size and timeouts): guard.py
 from .guard import MAX_BODY, Guard, error_response, tenant_of  # noqa: F401 (MAX_BODY, Guard: old home)
 from .options import ServeOptions
+from .single_use import Continuations
 from .tenants import namespace
 from .text import TextStream
 from .wire import APIError, check_text
@@ -42,6 +43,7 @@ def create_app(engine, template, model_name: str, options: ServeOptions) -> Fast
         yield
         # inside uvicorn's graceful shutdown: on SIGTERM uvicorn re-raises the signal after
         # it, and the process dies before the caller's own cleanup would run
+        await asyncio.to_thread(responses.close)       # queued record writes
         await asyncio.to_thread(engine.close)
         print("flashrt serve: stopped; turn capsules flushed", file=sys.stderr, flush=True)
     app = FastAPI(title="flashrt serve", docs_url=None, redoc_url=None, openapi_url=None,
@@ -49,6 +51,9 @@ def create_app(engine, template, model_name: str, options: ServeOptions) -> Fast
     conversations = ConversationTable(idle_s=options.session_idle_s, per_key=options.max_sessions_per_key,
                                       tokens_per_key=options.session_tokens_per_key)
     app.state.model_name = model_name
+    shared = idempotency.shared(options)        # Idempotency-Key records, single-use claims
+    app.state.idempotency = idempotency.Idempotency(options, shared)
+    app.state.continuations = Continuations(options, shared)
     rt_max = engine.max_seq_len
     prompts = Prompts(engine, template)
 
@@ -90,10 +95,11 @@ def create_app(engine, template, model_name: str, options: ServeOptions) -> Fast
         return min(limit, room) if limit is not None else room
 
     async def run(request, kind, req, ids, pin=0, conversation=None, default_max=None, plan=None,
-                  resume=None, rid=None):
+                  resume=None, rid=None, record=False):
         """plan: a chat reply's or completion's (replies.Plan: parser and grammar); logit_bias
         applies to all. resume: a session turn that appends nothing: the session's grammar state.
-        rid: the job's id (default: a new chatcmpl- / cmpl- one)."""
+        rid: the job's id (default: a new chatcmpl- / cmpl- one). record: a chat completion's id
+        goes into the response index once it finishes (retain, response_store.py)."""
         check_model(req)
         tenant = tenant_of(request)
         if conversation is not None:
@@ -124,6 +130,8 @@ def create_app(engine, template, model_name: str, options: ServeOptions) -> Fast
                   post=lambda ev: loop.call_soon_threadsafe(q.put_nowait, ev))
         job.choices = [Choice(i, TextStream(engine.tokenizer, job.stops), base + i) for i in range(req.n)]
         engine.submit(job)
+        if record:
+            responses.watch(job)
         if req.stream:
             return StreamingResponse(_sse(engine, job, q, kind, model_name, req, plan),
                                      media_type="text/event-stream")
@@ -151,11 +159,20 @@ def create_app(engine, template, model_name: str, options: ServeOptions) -> Fast
             raise APIError(503, engine.error, type="server_error")
         return {"status": "ok"}
 
+    @app.get("/v1/flashrt/stats")
+    async def stats(request: Request):      # the caller's own jobs; the response store's totals
+        return {"object": "flashrt.stats", "jobs": engine.jobs.get(tenant_of(request), 0),
+                "responses": responses.stats()}
+
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
-        req = wire.parse(chat_wire.ChatRequest, await request.body())
-        ids, pin, plan = await prompts.chat(req)
-        return await run(request, "chat", req, ids, pin=pin, plan=plan)
+        body = await request.body()
+        req = wire.parse(chat_wire.ChatRequest, body)
+
+        async def answer():
+            ids, pin, plan = await prompts.chat(req)
+            return await run(request, "chat", req, ids, pin=pin, plan=plan, record=True)
+        return await app.state.idempotency.run(request, "chat", body, answer)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -172,7 +189,9 @@ def create_app(engine, template, model_name: str, options: ServeOptions) -> Fast
         req = wire.parse(wire.CancelRequest, body or b"{}")
         kind, vals = req.per_choice(engine.job(rid, tenant_of(request)).n)
         cancellation = engine.cancel(rid, kind, vals)
-        return {"id": cancellation.id, "cancelled": True, "kept_tokens": await wait(cancellation.kept)}
+        kept = await wait(cancellation.kept)
+        await responses.cut(rid, tenant_of(request), kept)      # a chat completion's record follows
+        return {"id": cancellation.id, "cancelled": True, "kept_tokens": kept}
 
     app.post("/v1/chat/completions/{rid}/cancel")(cancel)
     app.post("/v1/completions/{rid}/cancel")(cancel)
@@ -180,7 +199,8 @@ def create_app(engine, template, model_name: str, options: ServeOptions) -> Fast
     from .session_routes import add_session_routes
     add_session_routes(app, engine, conversations, run, prompts)
     from .responses import add_responses_routes     # /v1/responses over the chat reply path
-    add_responses_routes(app, engine, options, run, prompts)
+    # the response index: stored responses, chat completion ids (run(record=True)), retains
+    responses = add_responses_routes(app, engine, options, run, prompts)
     from .audio import add_audio_routes     # speech in: /v1/audio/transcriptions, /v1/realtime
     from .speech import add_speech_routes   # speech out: /v1/audio/speech, /v1/audio/voices
     from .voice_session import add_voice_routes     # the voice agent: /v1/voice

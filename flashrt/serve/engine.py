@@ -123,6 +123,7 @@ class Engine:
         self._waiting: deque = deque()
         self._active: list = []
         self._jobs: OrderedDict = OrderedDict()       # id -> Job, active and recent
+        self.jobs: dict = {}                          # tenant -> jobs accepted: model calls made
         self._calls: deque = deque()                  # (fn(rt), Future, namespace) run on a free session
         self._held: dict = {}                         # id(session) -> namespace of its history
         self._taken: list = []                        # calls given a session this round, not yet run
@@ -187,6 +188,7 @@ class Engine:
             job.delivered = [0] * job.n
             self._waiting.append(job)
             self._jobs[job.id] = job
+            self.jobs[job.tenant] = self.jobs.get(job.tenant, 0) + 1
             self._cv.notify()
 
     def job(self, rid: str, tenant: str | None = None) -> Job:
@@ -225,12 +227,12 @@ class Engine:
         with self._cv:
             return any(j.conversation is conversation for j in (*self._waiting, *self._active))
 
-    def remember(self, tokens, ns: str = "") -> concurrent.futures.Future:
+    def remember(self, tokens, ns: str = "", spill: bool = False) -> concurrent.futures.Future:
         """Store the capsule of `tokens` in namespace ns for reuse (restored or prefilled on a
-        free session); nothing to do for none. The Future raises ValueError on input the
-        model refuses."""
+        free session); nothing to do for none. spill: a full copy pinned on disk instead of a turn
+        file (its Future is TurnStore.spill's). Raises ValueError on input the model refuses."""
         tokens = list(tokens)
-        return self.call(lambda rt: self.turns.remember(rt, tokens, ns) if tokens else None, ns)
+        return self.call(lambda rt: self.turns.remember(rt, tokens, ns, spill) if tokens else None, ns)
 
     def retain(self, tokens, ns: str = "", keep: bool = True) -> concurrent.futures.Future:
         """Pin (keep) or unpin the memory store's capsule of exactly `tokens` (namespace ns), so

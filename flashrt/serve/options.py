@@ -41,7 +41,8 @@ class ServeOptions:
     max_queue: int | None = None          # waiting requests before a 429; None: 4 per session
     session_idle_s: float = 3600.0        # /v1/sessions idle this long expire
     response_ttl_s: float = 86400.0       # stored /v1/responses kept this long (or until deleted)
-    response_retain_mb: float = 256       # memory their capsules may hold pinned; past it, refused
+    response_retain_mb: float = 256       # memory their capsules may hold pinned; past it, on disk or refused
+    idempotency_max_records: int = 10000  # Idempotency-Key answers kept in memory, LRU beyond it
     threads: int | None = None            # torch CPU threads of the engine; None: torch's
     draft_tokens: int = 0                 # MTP drafts a speculative round; 0: off
     # speech (audio.py): a nemotron_asr_streaming checkpoint enables /v1/audio and /v1/realtime
@@ -70,6 +71,8 @@ class ServeOptions:
         _require(self.session_idle_s > 0, f"--session-idle-s must be > 0, got {self.session_idle_s}")
         _require(self.response_ttl_s > 0, f"--response-ttl-s must be > 0, got {self.response_ttl_s}")
         _require(self.response_retain_mb >= 0, f"--response-retain-mb must be >= 0, got {self.response_retain_mb}")
+        _require(type(self.idempotency_max_records) is int and self.idempotency_max_records >= 1,
+                 f"--idempotency-max-records must be an integer >= 1, got {self.idempotency_max_records!r}")
         _require(self.read_timeout_s > 0, f"--read-timeout-s must be > 0, got {self.read_timeout_s}")
         _require(self.max_sessions_per_key >= 1,
                  f"--max-sessions-per-key must be >= 1, got {self.max_sessions_per_key}")
@@ -165,7 +168,8 @@ class ServeOptions:
             capsule_dir=ns.capsule_dir, capsule_disk_mb=ns.capsule_disk_mb,
             capsule_redis=ns.capsule_redis, max_queue=ns.max_queue,
             session_idle_s=ns.session_idle_s, response_ttl_s=ns.response_ttl_s,
-            response_retain_mb=ns.response_retain_mb, threads=ns.threads, draft_tokens=ns.draft_tokens,
+            response_retain_mb=ns.response_retain_mb,
+            idempotency_max_records=ns.idempotency_max_records, threads=ns.threads, draft_tokens=ns.draft_tokens,
             asr_model=ns.asr_model, asr_sessions=ns.asr_sessions, asr_lookahead=ns.asr_lookahead,
             max_audio_s=ns.max_audio_s, tts_model=ns.tts_model, tts_sessions=ns.tts_sessions,
             max_speech_chars=ns.max_speech_chars, max_voice_s=ns.max_voice_s,

@@ -8,9 +8,11 @@ Responses output items (message, function_call, reasoning) and stream events.
 previous_response_id continues from that response's turn end exactly: its token history
 (prompt + kept reply tokens) is the new prompt's prefix, and only the new input is rendered
 (after a probe user message, so a template that needs one still renders) and prefilled; two
-requests naming one response are two forks of it. A stored response pins its turn-end capsule
-in the memory store (Engine.retain), so LRU eviction cannot drop it, until it is deleted or
---response-ttl-s passes; past --response-retain-mb a new store=true request is refused (507).
+requests naming one response are two forks of it. Stored responses are records of the
+durable id-to-history index and hold their turn-end capsules (response_store.py: pinned in
+memory, spilled to --capsule-dir, kept across a restart) until deleted or --response-ttl-s.
+An Idempotency-Key replays a recorded response (idempotency.py); a response made with
+flashrt: {"single_use": true} is continued once (single_use.py: claimed before the lookup).
 """
 from __future__ import annotations
 
@@ -18,7 +20,6 @@ import asyncio
 import contextlib
 import json
 import time
-from dataclasses import dataclass
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
@@ -28,86 +29,35 @@ from flashrt.chat import prepare_messages, template_kwargs
 from . import replies, wire
 from .engine import wait
 from .guard import tenant_of
+from .response_index import Record as Stored       # a stored response's record
+from .response_store import ResponseStore, add_retain_routes
 from .responses_wire import ResponsesRequest
 from .wire import APIError, check_text
 
 PROBE = [{"role": "user", "content": "."}]     # what the new input is rendered after
 
 
-@dataclass
-class Stored:
-    body: dict                    # the Response object as GET returns it
-    history: list                 # prompt + kept reply tokens: what a continuation extends
-    tenant: str
-    ns: str
-    expires: float                # time.monotonic() past which it is gone
-    instructions: str | None = None
-    tools: list | None = None     # as the request gave them (rendered into the history)
-    retained: int = 0             # bytes of its pinned capsule
-
-
-class ResponseStore:
-    """Stored responses by id (event-loop side); each pins its capsule (engine.retain) and
-    unpins it when deleted or expired."""
-
-    def __init__(self, engine, ttl_s: float, retain_bytes: int):
-        self.engine, self.ttl_s, self.retain_bytes = engine, ttl_s, retain_bytes
-        self._items: dict[str, Stored] = {}
-
-    def _expire(self) -> None:
-        now = time.monotonic()
-        for rid in [r for r, s in self._items.items() if s.expires <= now]:
-            self._release(self._items.pop(rid))
-
-    def _release(self, s: Stored) -> None:
-        if s.retained:
-            try:
-                self.engine.retain(s.history, s.ns, keep=False)
-            except APIError:            # the engine is gone: nothing to unpin
-                pass
-
-    def held(self) -> int:
-        self._expire()
-        return sum(s.retained for s in self._items.values())
-
-    def get(self, rid: str, tenant: str, param: str = "response_id") -> Stored:
-        self._expire()
-        s = self._items.get(rid)
-        if s is None or s.tenant != tenant:
-            raise APIError(404, f"no stored response with id {wire._echo(rid)} (unknown, deleted, expired, "
-                           "made with store: false, or not finished)", param=param, code="response_not_found")
-        return s
-
-    async def put(self, rid: str, s: Stored) -> None:
-        s.retained = await wait(self.engine.retain(s.history, s.ns)) if self.retain_bytes else 0
-        old = self._items.pop(rid, None)
-        if old is not None and old.history != s.history:
-            self._release(old)
-        self._items[rid] = s
-
-    def find(self, rid: str) -> Stored | None:
-        return self._items.get(rid)
-
-    def delete(self, rid: str, tenant: str) -> None:
-        self.get(rid, tenant)
-        self._release(self._items.pop(rid))
-
-
-def add_responses_routes(app, engine, options, run, prompts) -> None:
-    store = ResponseStore(engine, options.response_ttl_s, int(options.response_retain_mb * 2**20))
+def add_responses_routes(app, engine, options, run, prompts) -> ResponseStore:
+    """The /v1/responses routes and /v1/flashrt/{retain,release}; returns their store."""
+    store = ResponseStore(engine, options)
+    add_retain_routes(app, store)
     model_name = app.state.model_name
 
     @app.post("/v1/responses")
     async def create(request: Request):
-        req = wire.parse(ResponsesRequest, await request.body())
+        raw = await request.body()
+        req = wire.parse(ResponsesRequest, raw)
+        rid = wire.new_id("resp")       # first: a single-use claim names its winner before it runs
+        return await app.state.idempotency.run(request, "responses", raw, lambda: app.state.continuations.run(
+            request, req, rid, lambda turn: respond(request, req, rid, turn)))
+
+    async def respond(request, req, rid: str, turn):
         tenant = tenant_of(request)
-        if req.store and store.retain_bytes and store.held() >= store.retain_bytes:
-            raise APIError(507, f"stored responses hold {store.held()} bytes of pinned capsules, the budget "
-                           f"(--response-retain-mb) is {store.retain_bytes}: delete some, or send store: false",
-                           param="store", code="response_store_full")
+        store.check_room(req.store)
         prev = None
         if req.previous_response_id is not None:
-            prev = store.get(req.previous_response_id, tenant, "previous_response_id")
+            prev = await store.get(req.previous_response_id, tenant, "previous_response_id")
+            await turn.stored(prev)
             if req.instructions is not None and req.instructions != prev.instructions:
                 raise APIError(400, "instructions differ from those of previous_response_id's conversation, "
                                "whose tokens are continued as they are: send the same, or none",
@@ -124,16 +74,19 @@ def add_responses_routes(app, engine, options, run, prompts) -> None:
         else:
             chat_req = req.chat_request(req.messages())
             ids, pin, plan = await prompts.chat(chat_req)
-        rid = wire.new_id("resp")
         reply = Reply(rid, model_name, req, prev)
+        single = req.flashrt is not None and req.flashrt.single_use
 
         async def keep(job_id: str, body: dict) -> None:
             if req.store:
                 job = engine.job(job_id)
                 kept = job.kept[0] if job.kept is not None else len(job.choices[0].ids)
                 history = list(job.prompt) + list(job.choices[0].ids[:kept])
-                await store.put(rid, Stored(body, history, tenant, job.ns, time.monotonic() + store.ttl_s,
-                                            prev.instructions if prev else req.instructions, req.tools))
+                await store.put(rid, Stored(body, history, tenant, job.ns, time.time() + store.ttl_s,
+                                            prev.instructions if prev else req.instructions, req.tools,
+                                            single_use=single))
+                if single:
+                    await app.state.continuations.mark(tenant, rid)
 
         out = await run(request, "chat", chat_req, ids, pin=pin, plan=plan, rid=rid)
         if not req.stream:
@@ -144,11 +97,11 @@ def add_responses_routes(app, engine, options, run, prompts) -> None:
 
     @app.get("/v1/responses/{rid}")
     async def retrieve(rid: str, request: Request):
-        return store.get(rid, tenant_of(request)).body
+        return (await store.get(rid, tenant_of(request))).body
 
     @app.delete("/v1/responses/{rid}")
     async def delete(rid: str, request: Request):
-        store.delete(rid, tenant_of(request))
+        await store.delete(rid, tenant_of(request))
         return {"id": rid, "object": "response", "deleted": True}
 
     @app.post("/v1/responses/{rid}/cancel")
@@ -163,8 +116,10 @@ def add_responses_routes(app, engine, options, run, prompts) -> None:
         if s is not None:             # finished and stored: it now continues from what was kept
             history = list(job.prompt) + list(job.choices[0].ids[: kept[0]])
             s.body = {**s.body, "status": "cancelled"}
-            await store.put(rid, Stored(s.body, history, s.tenant, s.ns, s.expires, s.instructions, s.tools))
+            await store.put(rid, Stored(s.body, history, s.tenant, s.ns, s.expires, s.instructions, s.tools,
+                                        single_use=s.single_use))
         return {"id": rid, "object": "response", "cancelled": True, "kept_tokens": kept}
+    return store
 
 
 def _continue(engine, template, chat_req, history: list) -> tuple:

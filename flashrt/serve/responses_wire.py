@@ -41,6 +41,12 @@ class ReasoningOptions(BaseModel):
     generate_summary: Literal["auto", "concise", "detailed"] | None = None
 
 
+class FlashrtOptions(BaseModel):
+    """`flashrt`: this server's extensions. single_use: continued once (serve/single_use.py)."""
+    model_config = ConfigDict(extra="forbid", strict=True)
+    single_use: bool = False
+
+
 class ResponsesRequest(BaseModel):
     """`input` and `tools` keep the client's own JSON (checked by chat_request(), which names
     `input[i]` / `tools[i]`); `seed` is an extension (as chat's), for reproducible forks."""
@@ -68,6 +74,7 @@ class ResponsesRequest(BaseModel):
     service_tier: str | None = None
     prompt_cache_key: str | None = None
     stream_options: dict | None = None
+    flashrt: FlashrtOptions | None = None
 
     @model_validator(mode="after")
     def _input(self):

@@ -70,9 +70,15 @@ def parser(p=None) -> argparse.ArgumentParser:
                    help="/v1/sessions idle this long expire (and the least recently used idle one "
                    "goes when the table is full)")
     p.add_argument("--response-ttl-s", type=float, default=86400,
-                   help="stored /v1/responses (and their pinned capsules) are kept this long, or until deleted")
+                   help="stored /v1/responses and retained ids (and their pinned capsules) are kept this long "
+                   "(a retain renews it), or until deleted or released")
     p.add_argument("--response-retain-mb", type=float, default=256,
-                   help="memory the capsules of stored responses may hold pinned; past it, store=true is a 507")
+                   help="memory the capsules of stored responses and retained ids may hold pinned; past it "
+                   "they are spilled to --capsule-dir (within --capsule-disk-mb), without one store=true is a 507")
+    p.add_argument("--idempotency-max-records", type=int, default=10000,
+                   help="answers of requests with an Idempotency-Key kept for replay (each for "
+                   "--response-ttl-s), least recently used out first; with --capsule-redis they are "
+                   "in Redis, bounded by that TTL")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads of the engine (default: torch's)")
     p.add_argument("--draft-tokens", type=int, default=0,
                    help="speculative decoding with the checkpoint's MTP layer, this many drafts a "

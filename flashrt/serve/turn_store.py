@@ -9,17 +9,25 @@ folder (capsules.NamedCapsules: a folder per tenant, a byte budget and a count p
 never trimmed). On start, the newest files that fit the memory budget are loaded into the
 memory store, so a restarted server reuses earlier conversations.
 
+Spills (stored responses, retained ids: response_store.py): a full capsule written by the
+same writer under a key of its own, pinned in the disk tier (never trimmed, never made
+redundant by a later turn) until dropped; pins are not persisted, so keep_spill re-pins it
+after a restart, and recall puts it back into memory when the memory store lacks it.
+
 Every capsule lives in a namespace (tenants.py): the memory store's (CapsuleStore namespaces,
 which its Redis tier follows) and a turn file's, whose key is "<namespace>.<capsule id>" (the
 default namespace: the id alone), so a restart puts each back where it was.
 """
 from __future__ import annotations
 
+import concurrent.futures
+import os
 import queue
 from pathlib import Path
 import threading
 import warnings
 
+from flashrt.capsules.format import file_size
 from flashrt.capsules.named import NamedCapsules
 from flashrt.capsules.store import CapsuleStore
 from flashrt.errors import CapsuleError
@@ -84,11 +92,70 @@ class TurnStore:
                 warnings.warn(f"flashrt serve: {MAX_PENDING} turn capsules wait for the disk: "
                               "this one is kept in memory only")
 
+    def spill(self, cap, ns: str = "") -> concurrent.futures.Future:
+        """`cap` (a full capsule) written to disk, pinned, by the writer (here when its queue is
+        full: a spill is not dropped). The Future gives (key, bytes on disk), or None when it
+        cannot be written (no disk, no room beside the pinned files)."""
+        fut = concurrent.futures.Future()
+        if self.disk is None:
+            fut.set_result(None)
+            return fut
+        try:
+            self._q.put_nowait((ns, cap, fut))
+        except queue.Full:
+            self._spill(ns, cap, fut)
+        return fut
+
+    def _spill(self, ns, cap, fut) -> None:
+        try:
+            key = self.disk.put(cap, key=_disk_key(ns, cap), pin=True)
+            fut.set_result((key, file_size(cap)))
+        except (OSError, ValueError, CapsuleError) as e:
+            warnings.warn(f"flashrt serve: capsule not spilled to disk: {e}")
+            fut.set_result(None)
+
+    def keep_spill(self, key: str) -> int | None:
+        """Pin a spilled file again (after a restart); its bytes, or None when it is gone."""
+        if self.disk is None or key not in self.disk:
+            return None
+        self.disk.pin(key)
+        try:
+            return os.path.getsize(Path(self.disk.disk_dir) / f"{key}.capsule")
+        except OSError:
+            return None
+
+    def drop_spill(self, key: str) -> None:
+        if self.disk is not None and key in self.disk:
+            try:
+                self.disk.drop(key)
+            except (KeyError, ValueError):
+                pass
+
+    def recall(self, tokens, ns: str, key: str, fingerprint: dict) -> bool:
+        """The memory store holds the capsule of exactly `tokens` (namespace ns): found, or put
+        back from the spilled file `key`. False: neither."""
+        cap, n = self.view(ns).match(tokens, fingerprint)
+        if cap is not None and n == len(tokens):
+            return True
+        if self.disk is None or key not in self.disk or _key_ns(key) != ns:
+            return False
+        try:
+            self.view(ns).put(self.disk.get(key))
+        except (KeyError, ValueError, CapsuleError) as e:
+            warnings.warn(f"flashrt serve: spilled capsule {key!r} not recalled: {e}")
+            return False
+        cap, n = self.view(ns).match(tokens, fingerprint)
+        return cap is not None and n == len(tokens)
+
     def _write_loop(self) -> None:
         while True:
             item = self._q.get()
             if item is None:
                 return
+            if len(item) == 3:
+                self._spill(*item)
+                self._q.task_done()
+                continue
             ns, cap = item
             try:
                 toks = tuple(cap.history)

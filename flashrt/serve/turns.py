@@ -60,9 +60,12 @@ class Turns:
         """rt holds toks (restored, rolled back or prefilled from namespace ns's capsules)."""
         self._set_context(rt, list(toks), self.store.view(ns))
 
-    def remember(self, rt, toks, ns: str = "") -> None:
-        """rt holds toks, and their capsule is stored as a turn end (memory, disk copy)."""
+    def remember(self, rt, toks, ns: str = "", spill: bool = False):
+        """rt holds toks, and their capsule is stored as a turn end (memory, disk copy); spill:
+        the disk copy is a spill instead (pinned), whose Future (TurnStore.spill) is returned."""
         self.set_context(rt, toks, ns)
+        if spill:
+            return self.store.spill(rt.snapshot(), ns)
         self.store.remember_turn(rt, ns)
 
     def prefill(self, job) -> None:
