@@ -10,7 +10,11 @@ speech to the first audio byte out, split by stage, for
   baseline     the same models without capsules (VoiceOptions(without_capsules=True)), as voice
                frameworks run them: the conversation re-prefilled each turn, the voice re-encoded
                per reply, the recognizer's lookahead waited out, TTS cleared on barge-in
-  framework    a Pipecat pipeline against `flashrt serve`: not measured here (a row says why)
+  framework    a Pipecat pipeline (bench/voice_pipecat.py) against `flashrt serve` holding the same
+               three models: Silero VAD, STT on /v1/audio/transcriptions once the VAD stops, our
+               FlashRTLLMService, TTS on /v1/audio/speech, in real time on the wall clock; it
+               reaches the server's conversation prefix reuse and its barge-in cancel (absent,
+               with its reason, where pipecat-ai is not installed or with --no-framework)
 
 The user's turns are espeak-ng speech (tests/data/speech/voice_*.wav, scripts/make_speech_wavs.sh):
 hello; a request with a pause inside it (turn 2: the reply prepared at the pause is dropped by
@@ -97,6 +101,7 @@ def parse(argv):
                    help="reply audio played before the user speaks over it (default 1000)")
     p.add_argument("--voice-s", type=float, default=None, help="seconds of reference voice (default 5; "
                    "tiny synthesizer 0.2: its codec's frames are 4 ms)")
+    p.add_argument("--no-framework", action="store_true", help="skip the Pipecat run against flashrt serve")
     p.add_argument("--plot", default=None, help="PNG path (default next to the JSON)")
     a = p.parse_args(argv)
     a.size = a.size or ("tiny" if a.quick else "real")
@@ -399,8 +404,42 @@ def summarize(runs: dict, a) -> dict:
     return out
 
 
+def framework_why(a) -> str | None:
+    """Why the framework run is absent, or None when it runs."""
+    import importlib.util
+    if a.no_framework:
+        return "skipped (--no-framework)"
+    missing = [m for m in ("pipecat", "fastapi", "uvicorn", "multipart") if importlib.util.find_spec(m) is None]
+    if missing:
+        return (f"not measured: {', '.join(missing)} not installed (Pipecat: pip install 'flashrt[voice-clients]'; "
+                "the server: the serve extra)")
+    return None
+
+
+def script(a) -> dict:
+    """The conversation as the framework run plays it: the same utterances, pacing and barge-in."""
+    from flashrt.speech import VadRules
+    return {"turns": [n for n, _ in TURNS], "utts": {n: read_wav(n) for n, _ in TURNS}, "barge_in": BARGE_IN,
+            "sr": SR, "piece": PIECE, "phase": PHASE, "lead_chunks": LEAD_CHUNKS, "margin_s": BARGE_MARGIN_S,
+            "barge_after_s": a.barge_after_ms / 1000,
+            "silence_s": (VadRules().min_silence_duration_ms + a.endpointing_ms) / 1000}
+
+
+def summarize_framework(runs: list) -> list:
+    """Per turn: Stats (seconds) of the framework run's voice to voice and each stage's share."""
+    out = []
+    for i in range(len(TURNS)):
+        rows = [r["turns"][i] for r in runs if i < len(r["turns"])]
+        st = {"v2v": C.Stats([x["marks"]["first_audio"] / 1e3 for x in rows if x["marks"]["first_audio"] is not None])}
+        for k in (rows[0]["split"] if rows else ()):
+            st[k] = C.Stats([x["split"][k] / 1e3 for x in rows if x["split"][k] is not None])
+        out.append({"stats": st, "context_tokens": [x["context_tokens"] for x in rows],
+                    "prefill_tokens": [x["prefill_tokens"] for x in rows], "requests": [x["requests"] for x in rows]})
+    return out
+
+
 # ---- report ----------------------------------------------------------------------------------------
-def tables(a, s: dict, runs: dict, sysinfo: dict, params: dict, load_note: str) -> list:
+def tables(a, s: dict, runs: dict, sysinfo: dict, params: dict, load_note: str, fw: dict) -> list:
     ms = lambda st: st.ms(0)  # noqa: E731
     med = lambda x: sorted(x)[len(x) // 2]  # noqa: E731
     fl, bl = s["flashrt"], s["baseline"]
@@ -431,7 +470,17 @@ def tables(a, s: dict, runs: dict, sysinfo: dict, params: dict, load_note: str) 
             f"{BUDGET_MS[0]}-{BUDGET_MS[1]} ms", f"{ms(v8)} ms; largest stage: {top} "
             f"{split[top]:.0f} ms ({split[top] / max(v8.median * 1e3, 1e-9):.0%}){waited}",
             "within" if within else f"above: {above} keeps it there")
+    fws = fw["summary"]
+    if fws:
+        f8 = fws[last]["stats"]
+        fsplit = {k: v.median * 1e3 for k, v in f8.items() if k != "v2v" and v.samples}
+        ftop = max(fsplit, key=fsplit.get)
+        acc.add("framework pipeline (Pipecat against flashrt serve, same models) at turn 8: its voice to voice "
+                "and framework / flashrt", "reported", f"{ms(f8['v2v'])} ms, {C.fmt_ratio(C.ratio(f8['v2v'], v8))}; "
+                f"largest stage: {ftop} {fsplit[ftop]:.0f} ms", "-")
     ok = {m: all(all(r["checks"].values()) for r in rs) for m, rs in runs.items()}
+    if fws:
+        ok["framework"] = all(all(r["checks"].values()) for r in fw["runs"])
     acc.add("state checks (conversation = model, appended / re-prefilled, one barge-in, heard cut)",
             "all hold", ", ".join(f"{m} {'ok' if v else 'FAILED'}" for m, v in ok.items()),
             "yes" if all(ok.values()) else "no")
@@ -445,13 +494,16 @@ def tables(a, s: dict, runs: dict, sysinfo: dict, params: dict, load_note: str) 
     t = C.Table(f"Voice to voice per turn (ms, median [min-max] over {a.repeats}; context about "
                 f"{a.context} tokens by turn 8)",
                 ["turn", "user", "context tok", "prefilled tok (fl / base)", "flashrt ms",
-                 "baseline ms", "baseline / flashrt", "behind at start ms (fl / base)", "framework pipeline"])
+                 "baseline ms", "baseline / flashrt", "behind at start ms (fl / base)",
+                 "framework ms (prefilled / context tok)"])
     for i, (name, what) in enumerate(TURNS):
         f, b = fl[i], bl[i]
         t.add(i + 1, f"{name}: {what}", med(f["context_tokens"]),
               f"{med(f['prefill_tokens'])} / {med(b['prefill_tokens'])}", ms(f["stats"]["v2v"]),
               ms(b["stats"]["v2v"]), C.fmt_ratio(C.ratio(b["stats"]["v2v"], f["stats"]["v2v"])),
-              f"{med(f['behind_ms']):.0f} / {med(b['behind_ms']):.0f}", "not measured")
+              f"{med(f['behind_ms']):.0f} / {med(b['behind_ms']):.0f}",
+              f"{ms(fws[i]['stats']['v2v'])} ({med(fws[i]['prefill_tokens'])} / {med(fws[i]['context_tokens'])})"
+              if fws else "not measured")
     t.notes += ["behind at start: how far the agent's clock was past the microphone when the user began "
                 "(work still queued, which the turn's stages wait for); each turn begins once it caught up, "
                 "except the barge-in, which comes while the reply is played and made",
@@ -462,10 +514,7 @@ def tables(a, s: dict, runs: dict, sysinfo: dict, params: dict, load_note: str) 
                 f"about {a.context} at turn 8; each turn adds the template's tags, the user's text (its last "
                 f"{a.user_tokens} recognized tokens, a letter each), a reply of up to {a.max_reply_tokens} "
                 f"tokens (turn {BARGE_IN}'s cut at the barge-in)",
-                "framework pipeline: not measured. Pipecat is not installed here (it is no extra of this "
-                "project), and its pipeline runs against `flashrt serve` over HTTP, which this in-process "
-                "bench does not start; such a pipeline reaches the server's prompt cache and cancel, "
-                "not the endpoint fork, preemptive restore or TTS rollback"]
+                *framework_notes(a, fw)]
     st_tabs = []
     for mode, rows in (("flashrt", fl), ("baseline", bl)):
         x = C.Table(f"Stages per turn, {mode} (ms each stage took after the one before, median)",
@@ -481,6 +530,23 @@ def tables(a, s: dict, runs: dict, sysinfo: dict, params: dict, load_note: str) 
     st_tabs[1].notes += ["transcript: waiting out the recognizer's lookahead; prefill: the endpointing window "
                          "(the reply starts when it ends) and the whole conversation re-prefilled; "
                          "first_sentence includes re-encoding the voice (made at the reply's first text)"]
+    if fws:
+        stages = [k for k in fws[0]["stats"] if k != "v2v"]
+        x = C.Table("Stages per turn, framework (ms each stage took after the one before, median)",
+                    ["turn", *stages, "voice to voice", "prefilled / context tok"])
+        for i in range(len(TURNS)):
+            st = fws[i]["stats"]
+            x.add(i + 1, *[f"{st[k].median * 1e3:.0f}" if st[k].samples else "-" for k in stages], ms(st["v2v"]),
+                  f"{med(fws[i]['prefill_tokens'])} / {med(fws[i]['context_tokens'])}")
+        x.notes += ["vad: Pipecat's VAD stop (its stop_secs of silence); transcript: the server's "
+                    "/v1/audio/transcriptions answer for the segment (sent at the VAD stop, so it runs inside the "
+                    "turn's silence); request: the chat completion sent, once Pipecat's user_speech_timeout "
+                    "ran out and the transcript came; first_token: its first streamed token; first_sentence: the "
+                    "first sentence handed to the TTS; first_audio: the first chunk of /v1/audio/speech's answer "
+                    "played (TTS first byte, the output transport's wait included)",
+                    "prefilled / context: the chat completion's prompt tokens less its cached_tokens (the "
+                    "server's capsule store) / its prompt tokens"]
+        st_tabs.append(x)
     bud = C.Table(f"Turn 8 against the {BUDGET_MS[0]}-{BUDGET_MS[1]} ms budget (ms, share of voice to voice)",
                   ["stage", "flashrt ms", "flashrt share", "baseline ms", "baseline share"])
     for st in STAGES:
@@ -495,7 +561,46 @@ def tables(a, s: dict, runs: dict, sysinfo: dict, params: dict, load_note: str) 
     return [acc, t, *st_tabs, bud]
 
 
-def plot(s: dict, path: Path, a):
+def framework_notes(a, fw: dict) -> list:
+    """The per-turn table's notes on the framework column: what it runs, how it is paced, what of
+    the runtime it reaches (README, "Pipecat")."""
+    reach = ("a framework pipeline reaches the server's conversation prefix reuse (each turn resends the "
+             "history; what renders to the tokens the server's capsule store holds is not prefilled again), "
+             "barge-in as Pipecat does it (user speech during bot speech -> InterruptionFrame -> "
+             "FlashRTLLMService cancels the reply with the delivered count: the model, recurrent state included, "
+             "back to the last whole sentence played) and speech from the stored voice capsule (each "
+             "/v1/audio/speech request starts from it); only the native session has streaming recognition with "
+             "the endpoint fork at the VAD's end (Pipecat uploads the segment once its VAD stops), preemptive "
+             "replies during the endpointing window (dropped by a restore), and TTS rolled back to the last "
+             "played frame (Pipecat clears its TTS and keeps whole sentences)")
+    if fw["why"]:
+        return [f"framework: {fw['why']}; it runs a Pipecat pipeline against `flashrt serve` "
+                f"(bench/voice_pipecat.py). {reach[0].upper()}{reach[1:]}"]
+    lag = max(r["mic_lag_ms"] for r in fw["runs"])
+    return [f"framework: Pipecat {fw['version']} against `flashrt serve` with the same three checkpoints, "
+            f"--threads {a.threads} and --asr-lookahead {a.lookahead}: Silero VAD (VADProcessor, stop_secs "
+            f"{fw['vad_stop_s']}) and a user_speech_timeout of {fw['speech_timeout_s']:.1f} s (the agent's silence "
+            "before a reply: its VAD rule + the endpointing window), OpenAISTTService on /v1/audio/transcriptions, "
+            f"FlashRTLLMService (the same system prompt, max_completion_tokens {a.max_reply_tokens}, temperature "
+            "0.7, top_p 0.95), OpenAITTSService on /v1/audio/speech, an output transport playing in real time",
+            "framework pacing: the same microphone audio (WAVs, room noise, lead, chunk phase) in 32 ms "
+            "InputAudioRawFrames on the wall clock, each sent once its last sample is due (the in-process runs "
+            f"count that audio on the agent's turn clock; here it ran at most {lag:.0f} ms late); voice to voice "
+            "from the end of the user's speech as flashrt's VAD finds it in the samples sent (the in-process "
+            "runs' origin) to the first reply chunk played; the barge-in speaks over turn "
+            f"{BARGE_IN}'s reply once {a.barge_after_ms:.0f} ms of it played",
+            "framework adjustments for the random models: the transcript is its last "
+            f"{a.user_tokens} tokens as letters (as the in-process runs'); a logit_bias keeps the reply to four "
+            "letters and a space (its text then re-encodes to the tokens the server holds, as a trained "
+            f"model's does) and a sentence ends at the first space past {a.sentence_tokens} tokens; the server's "
+            "synthesizer keeps its own end-of-speech rule and frame budget (--tts-max-frames and the in-process "
+            "runs' end-of-speech switched off have no HTTP parameter), so reply audio lasts otherwise "
+            "(reply_audio_s per turn in the JSON), which moves only the waits between turns; OpenAITTSService "
+            "is given the synthesizer's rate (frame size x frame rate), at which the in-process speaker plays too",
+            "framework: " + reach]
+
+
+def plot(s: dict, path: Path, a, fws: list | None):
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -503,12 +608,14 @@ def plot(s: dict, path: Path, a):
     except ImportError:
         print(f"no plot: matplotlib is not installed ({path} not written)")
         return None
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12.5 if fws else 11, 4))
     xs = range(1, len(TURNS) + 1)
-    w = 0.38
-    for k, (mode, col) in enumerate((("flashrt", "C0"), ("baseline", "C1"))):
-        ax1.bar([x + (k - 0.5) * w for x in xs], [t["stats"]["v2v"].median * 1e3 for t in s[mode]], w,
-                label=mode if mode == "flashrt" else "baseline (no capsules)", color=col, zorder=2)
+    series = [("flashrt", "C0", s["flashrt"]), ("baseline (no capsules)", "C1", s["baseline"])]
+    series += [("framework (Pipecat + flashrt serve)", "C9", fws)] if fws else []
+    w = 0.8 / len(series)
+    for k, (label, col, rows) in enumerate(series):
+        ax1.bar([x + (k - (len(series) - 1) / 2) * w for x in xs], [t["stats"]["v2v"].median * 1e3 for t in rows],
+                w, label=label, color=col, zorder=2)
     ax1.axhspan(*BUDGET_MS, color="C2", alpha=0.2, label=f"{BUDGET_MS[0]}-{BUDGET_MS[1]} ms budget", zorder=0)
     ax1.set_yscale("log")
     ax1.set_xticks(list(xs), [f"{x}{'*' if x == BARGE_IN + 1 else ''}" for x in xs])
@@ -520,10 +627,17 @@ def plot(s: dict, path: Path, a):
         vals = [s[m][-1]["stats"][st].median * 1e3 for m in ("flashrt", "baseline")]
         ax2.bar([0, 1], vals, 0.6, bottom=bottom, label=st, color=f"C{j + 3}", zorder=2)
         bottom = [b + v for b, v in zip(bottom, vals)]
+    if fws:                    # its own stages (a client's view), hatched
+        base = 0.0
+        for j, (st, v) in enumerate((k, v) for k, v in fws[-1]["stats"].items() if k != "v2v"):
+            val = v.median * 1e3 if v.samples else 0.0
+            ax2.bar([2], [val], 0.6, bottom=[base], label=f"framework: {st}", color=f"C{j + 3}", hatch="//",
+                    zorder=2)
+            base += val
     ax2.axhspan(*BUDGET_MS, color="C2", alpha=0.2, zorder=0)
-    ax2.set_xticks([0, 1], ["flashrt", "baseline"])
+    ax2.set_xticks([0, 1, 2] if fws else [0, 1], ["flashrt", "baseline", "framework"][: 3 if fws else 2])
     ax2.set_ylabel("ms at turn 8, by stage")
-    ax2.legend(fontsize=7)
+    ax2.legend(fontsize=6, loc="center left", bbox_to_anchor=(1.0, 0.5))
     fig.suptitle(f"Voice agent, {a.size} shapes, {a.device} {a.dtype}, {a.threads} threads "
                  "(random weights)", fontsize=9)
     C.save_figure(fig, path)
@@ -544,11 +658,24 @@ def main(argv=None) -> int:
           + f"; system prompt {sysinfo['system_tokens']} tokens; reference voice {a.voice_s:g} s")
     runs = run_all(a, parts, system)
     s = summarize(runs, a)
+    fw = {"measured": False, "why": framework_why(a), "runs": None, "summary": None}
+    if fw["why"] is None:
+        from importlib.metadata import version
+        from bench import voice_pipecat
+        conv = script(a)
+        fw.update(measured=True, version=version("pipecat-ai"), vad_stop_s=voice_pipecat.VAD_STOP_S,
+                  speech_timeout_s=conv["silence_s"] - voice_pipecat.VAD_STOP_S, stages=voice_pipecat.STAGES,
+                  runs=voice_pipecat.run(a, parts, system, conv))
+        fw["summary"] = summarize_framework(fw["runs"])
+        fw["checks"] = {k: all(r["checks"].get(k, False) for r in fw["runs"]) for k in fw["runs"][0]["checks"]}
+    else:
+        print(f"framework run: {fw['why']}")
     load1 = os.getloadavg()
-    tabs = tables(a, s, runs, sysinfo, parts["params"], f"{load0[0]:.1f} at the start, {load1[0]:.1f} at the end")
+    tabs = tables(a, s, runs, sysinfo, parts["params"], f"{load0[0]:.1f} at the start, {load1[0]:.1f} at the end",
+                  fw)
     C.print_tables(tabs)
     path = C.result_path("voice", a)
-    png = plot(s, Path(a.plot) if a.plot else path.with_suffix(".png"), a)
+    png = plot(s, Path(a.plot) if a.plot else path.with_suffix(".png"), a, fw["summary"])
     data = {"size": a.size, "shapes": dict(zip(("lm", "asr", "tts"), SIZES[a.size])),
             "checkpoints": {k: C.short_path(p) for k, p in parts["paths"].items()}, "params": parts["params"],
             "options": {k: getattr(a, k) for k in ("context", "max_reply_tokens", "tts_max_frames", "user_tokens",
@@ -558,12 +685,12 @@ def main(argv=None) -> int:
             "system_prompt": sysinfo, "runs": runs, "summary": s,
             "checks": {m: {k: all(r["checks"].get(k, False) for r in rs) for k in rs[0]["checks"]}
                        for m, rs in runs.items()},
-            "framework": {"measured": False, "why": "Pipecat is not installed; its pipeline runs against "
-                          "flashrt serve over HTTP, which this in-process bench does not start"},
+            "framework": fw,
             "load_average": [load0, load1],
             "plot": str(png.relative_to(C.ROOT)) if png and png.is_relative_to(C.ROOT) else png}
     C.write_json("voice", a, info, tabs, data, argv)
-    return 0 if all(all(v.values()) for v in data["checks"].values()) else 1
+    ok = all(all(v.values()) for v in data["checks"].values()) and all(fw.get("checks", {}).values())
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":
