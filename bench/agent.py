@@ -1,7 +1,8 @@
 """An agent's tool loop over HTTP (a ReAct loop of --steps steps, 6 by default) on the Qwen3.5-0.8B
 shape with its released chat template: per-step TTFT and cached tokens for `flashrt serve`, for a
 plain turn on the same tokens, for the same server re-prefilling, and for llama-cpp-python's
-server; and what grammar masking adds to a decode step (random weights).
+server; what grammar masking adds to a decode step; and a LangGraph agent's replayed and forked
+step after store pressure, with and without checkpoints that retain their capsules (random weights).
 
 The loop: a system prompt, three tools (search(page), weather(days), clock()) rendered by the
 template, a user question; steps 1 to steps-1 POST /v1/chat/completions with the growing message
@@ -44,6 +45,11 @@ assistant's `content: null` + tool_calls and the `tool` message; the last step a
                  ("partial kv removal not supported"), and its RAM cache holds states at prompt +
                  its own reply, never a prefix of the next prompt, so each step re-evaluates the
                  whole prompt
+  LangGraph      (issue 34; bench/agent_resume.py, its own module: this file is long already) a
+                 create_react_agent loop on a server with a small capsule budget; after store
+                 pressure, a time-travel replay and an update_state fork of its last model step,
+                 with flashrt's RetainingSaver and with a plain InMemorySaver, against a warm turn
+                 on the same tokens (--resume-steps, --resume-budget-mb, --no-resume)
 
 TTFT = request sent -> first SSE chunk with a choice (flashrt streams one chunk per token; llama-cpp
 a chunk when the first token's text is out), on one keep-alive client. Each server first runs an
@@ -82,7 +88,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench import common as C  # noqa: E402
+from bench import agent_resume, common as C  # noqa: E402
 
 ACCEPT_MASK, ACCEPT_STEP = 0.05, 1.2          # the issue's acceptance lines
 TOOLS = [
@@ -127,13 +133,15 @@ def parse(argv):
     p.add_argument("--gguf", default=None, help="the GGUF for llama-cpp (default ~/.cache/flashrt/gguf/"
                    "qwen3_5-<size>-chat-<dtype>.gguf, made from the chat checkpoint with --llama-src)")
     p.add_argument("--plot", default=None, help="PNG path (default next to the JSON)")
+    agent_resume.add_args(p)
     a = p.parse_args(argv)
     a.threads = a.threads or 2
     C.setup(a)
     a.size = a.size or ("tiny" if a.quick else "real")
     a.steps = a.steps or (3 if a.quick else 6)
-    if a.steps < 2:
-        raise SystemExit(f"--steps {a.steps}: expected >= 2 (tool calls, then a text answer)")
+    for flag, v in (("--steps", a.steps), ("--resume-steps", a.resume_steps)):
+        if v < 2:
+            raise SystemExit(f"{flag} {v}: expected >= 2 (tool calls, then a text answer)")
     a.repeats = a.repeats or (1 if a.quick else 3)
     a.warmup = (0 if a.quick else 1) if a.warmup is None else a.warmup
     a.answer_tokens = a.answer_tokens or (4 if a.quick else 16)
@@ -506,10 +514,10 @@ def checks_of(runs, a) -> dict:
     return ch
 
 
-def tables(a, rows, mask, notes, load_note) -> list:
+def tables(a, rows, mask, notes, load_note, resume) -> list:
     later = [r for r in rows if r["step"] > 1]
     worst = max(later, key=lambda r: r["flashrt_vs_plain"])
-    acc = C.Table(f"Acceptance (issue 33): grammar masking per decode step and the loop's steps against a "
+    acc = C.Table(f"Acceptance (issues 33, 34): grammar masking per decode step and the loop's steps against a "
                   f"plain turn ({C.label('qwen3_5', a.size)}, {a.device}, {a.dtype}, {a.threads} threads)",
                   ["criterion", "measured", "line", "met"])
     base = mask["rows"]["no grammar"]
@@ -522,6 +530,7 @@ def tables(a, rows, mask, notes, load_note) -> list:
     acc.add(f"loop steps 2-{a.steps} TTFT vs a plain turn on the same tokens (flashrt)",
             f"at most {worst['flashrt_vs_plain']:.2f}x (step {worst['step']})", f"<= {ACCEPT_STEP:.2f}x",
             "yes" if worst["flashrt_vs_plain"] <= ACCEPT_STEP else "no")
+    agent_resume.accept(acc, resume)
     acc.notes += [f"machine load: {load_note}; masking: medians of {a.mask_repeats} samples of {mask['steps']} "
                   f"greedy steps at position {mask['position']}, alternated; loop: medians of {a.repeats} repeats"]
     llama = rows[0]["llama_ms"] is not None
@@ -573,10 +582,10 @@ def tables(a, rows, mask, notes, load_note) -> list:
                 "for this loop (xgrammar qwen_3_5 tag, required, one call); JSON string: a schema whose "
                 "string cannot end within the steps, so most tokens are allowed each step",
                 f"linear kernel {mask['linear_kernel']}"]
-    return [acc, t, m]
+    return [acc, t, m] + ([agent_resume.table(resume, a)] if resume["measured"] else [])
 
 
-def plot(rows, mask, path: Path, a):
+def plot(rows, mask, path: Path, a, resume):
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -584,7 +593,8 @@ def plot(rows, mask, path: Path, a):
     except ImportError:
         print(f"no plot: matplotlib is not installed ({path} not written)")
         return None
-    fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 4), gridspec_kw={"width_ratios": [2, 1]})
+    n = 3 if resume["measured"] else 2
+    fig, (ax, bx, *cx) = plt.subplots(1, n, figsize=(5.5 * n, 4), gridspec_kw={"width_ratios": [2, 1, 1.5][:n]})
     steps = [r["step"] for r in rows]
     for key, lab, mark in (("reprefill_ms", "same server, re-prefill", "s"),
                            ("llama_ms", "llama-cpp-python --cache", "^"),
@@ -602,6 +612,8 @@ def plot(rows, mask, path: Path, a):
     bx.set_xticks(range(len(names)), [k.split(" (")[0] for k in names], fontsize=7)
     bx.set_ylabel("ms per decode step (median)")
     bx.set_title("grammar masking", fontsize=9)
+    if cx:
+        agent_resume.plot_panel(cx[0], resume)
     fig.suptitle("random weights", fontsize=8)
     C.save_figure(fig, path)
     return path
@@ -640,6 +652,7 @@ def main(argv=None) -> int:
             runs["reprefill"].append(replay(srv, client, trajectory, a, biases, f"loop-{rep}"))
     finally:
         srv.stop()
+    resume = agent_resume.measure(ckpt, tok, a, biases, len(first.ids(first.prompt())))
     notes = {"llama": None}
     gguf, notes["llama"] = llama_gguf(ckpt, a)
     if gguf is not None:
@@ -673,18 +686,19 @@ def main(argv=None) -> int:
     rows = rows_of(runs, a)
     checks = checks_of(runs, a)
     checks["mask_all_steps_made"] = mask["all_steps_made"]
-    tabs = tables(a, rows, mask, notes, f"{load0[0]:.1f} at the start, {load1[0]:.1f} at the end")
+    checks.update({f"resume_{k}": v for k, v in resume.get("checks", {}).items()})
+    tabs = tables(a, rows, mask, notes, f"{load0[0]:.1f} at the start, {load1[0]:.1f} at the end", resume)
     C.print_tables(tabs)
     bad = [k for k, v in checks.items() if not v]
     print(f"checks: {'all hold' if not bad else 'FAILED: ' + ', '.join(bad)} ({', '.join(checks)})")
     res = C.result_path("agent", a)
-    png = plot(rows, mask, Path(a.plot) if a.plot else res.with_suffix(".png"), a)
+    png = plot(rows, mask, Path(a.plot) if a.plot else res.with_suffix(".png"), a, resume)
     slim = {k: [[{kk: vv for kk, vv in s.items() if kk not in ("messages", "prompt")} for s in r] for r in v]
             for k, v in runs.items()}
     data = {"size": a.size, "checkpoint": C.short_path(ckpt), "steps": a.steps, "repeats": a.repeats,
             "tools": TOOLS, "biases": biases, "call_tokens": a.call_tokens, "answer_tokens": a.answer_tokens,
             "gguf": C.short_path(gguf) if gguf else None, "notes": notes, "rows": rows, "mask": mask,
-            "checks": checks, "runs": slim, "messages": trajectory[-1]["messages"],
+            "checks": checks, "runs": slim, "messages": trajectory[-1]["messages"], "resume": resume,
             "load_average": [load0, load1],
             "plot": str(png.relative_to(C.ROOT)) if png and png.is_relative_to(C.ROOT) else png}
     C.write_json("agent", a, info, tabs, data, argv)

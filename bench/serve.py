@@ -116,12 +116,12 @@ def text_checkpoint(ckpt: Path) -> Path:
 
 
 # ---- servers --------------------------------------------------------------------------------
-def start_flashrt(ckpt, a, budget_mb):
+def start_flashrt(ckpt, a, budget_mb, *extra):
     sys.path.insert(0, str(C.ROOT / "tests"))
     from serve_util import Server
     threads = ["--threads", str(a.threads)] if a.threads else []
     return Server(ckpt, "--capsule-budget-mb", str(budget_mb), "--max-sessions", "1",
-                  "--max-seq-len", str(a.max_seq_len), "--dtype", a.dtype, "--device", a.device, *threads)
+                  "--max-seq-len", str(a.max_seq_len), "--dtype", a.dtype, "--device", a.device, *threads, *extra)
 
 
 class LlamaServer:

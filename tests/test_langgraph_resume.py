@@ -95,7 +95,7 @@ def before_second_call(agent, config):
     raise AssertionError("no checkpoint before the second model call")
 
 
-def test_react_replay_and_fork_survive_eviction(server):
+def test_contract_prefix_continuation_langgraph_replay_and_fork_after_eviction(server):
     from langchain_core.messages import HumanMessage, ToolMessage
     from langgraph.checkpoint.memory import InMemorySaver
     saver = RetainingSaver(InMemorySaver(), server.url + "/v1")
@@ -138,7 +138,7 @@ def test_react_replay_and_fork_survive_eviction(server):
     assert cache_read(cold) < prompt // 2, cold.usage_metadata
 
 
-def test_interrupt_resume_runs_the_model_once(server, jobs_run):
+def test_contract_exactly_once_langgraph_interrupt_resume_runs_the_model_once(server, jobs_run):
     from langchain_core.messages import HumanMessage
     from langgraph.checkpoint.memory import InMemorySaver
     from langgraph.graph import END, START, StateGraph

@@ -65,7 +65,7 @@ def new_key() -> str:
 
 
 # ---- exactly-once: Idempotency-Key ---------------------------------------------------------------
-def test_same_key_same_body_replays_without_running(server, path):
+def test_contract_exactly_once_same_key_replays_without_running(server, path):
     """Sampled (temperature 1, no seed): a second run would differ; the replay is the first answer,
     byte for byte in JSON, with Idempotency-Replayed, and the job count moves once. A forced tool
     call's id (random per call) comes back the same. Another body: 422 naming the header; the key
@@ -124,7 +124,7 @@ def test_stream_replays_its_events_and_a_cut_stream_frees_the_key(server):
     assert jobs(server) == before + 1
 
 
-def test_concurrent_duplicates_wait_for_the_first(server):
+def test_contract_exactly_once_concurrent_duplicates_wait_for_the_first(server):
     """6 threads, one key and body, released together: one runs, five wait and get its answer."""
     key, body, n = new_key(), {"messages": USER, "temperature": 1.0, "max_tokens": 24}, 6
     out, barrier, before = [None] * n, threading.Barrier(n), jobs(server)
@@ -256,7 +256,7 @@ def one_winner(results, prev: str) -> str:
     return winner
 
 
-def test_single_use_is_continued_once_by_racing_processes(server, racers):
+def test_contract_consume_once_racing_processes_one_server(server, racers):
     for _ in range(ROUNDS):
         prev = single_use(server)
         body = {"model": server.model, "input": "yes", "previous_response_id": prev, "max_output_tokens": 1,
@@ -304,7 +304,7 @@ def fleet(path, tmp_path_factory):
         redis_srv.kill()
 
 
-def test_fleet_shares_idempotency_keys(fleet):
+def test_contract_exactly_once_across_two_servers_sharing_redis(fleet):
     a, b = fleet
     key, body = new_key(), {"messages": USER, "temperature": 1.0, "max_tokens": 16}
     before = jobs(a) + jobs(b)
@@ -327,7 +327,7 @@ def test_fleet_shares_idempotency_keys(fleet):
     assert sum(not replayed(r) for r in out) == 1 and jobs(a) + jobs(b) == before + 2
 
 
-def test_single_use_across_two_servers_sharing_redis(fleet, racers):
+def test_contract_consume_once_across_two_servers_sharing_redis(fleet, racers):
     """Made on A; 4 racers continue on A and 4 on B: one winner a round, whichever server."""
     a, b = fleet
     for _ in range(ROUNDS):

@@ -70,7 +70,7 @@ def test_text_response_retrieve_delete(server):
 
 
 @needs_xgrammar
-def test_forced_tool_call_then_output_continues_exactly(server):
+def test_contract_prefix_continuation_tool_call_then_output_chain(server):
     """tool_choice required: a schema-valid function_call; its function_call_output continued by
     previous_response_id prefills only the new input: cached_tokens covers the whole history."""
     c = server.client()
@@ -95,7 +95,7 @@ def test_forced_tool_call_then_output_continues_exactly(server):
     assert third.usage.input_tokens_details.cached_tokens >= nxt.usage.input_tokens + nxt.usage.output_tokens
 
 
-def test_forks_are_independent_and_deterministic(server):
+def test_contract_fork_determinism_forks_independent_under_one_seed(server):
     """Two requests naming one response are two forks of it; under one seed the same fork gives
     the same text, and each fork's continuation reuses the shared history."""
     c = server.client()

@@ -8,11 +8,30 @@ and the refcounted retain API (response_store.py) against real `flashrt serve` p
 - a stored response past --response-ttl-s is gone, and so is its pin;
 - a restart on the same --capsule-dir keeps stored responses (GET, previous_response_id with
   cached_tokens covering the history) and refcounts;
-- a SIGKILL mid-turn: every finished stored response continues after the restart, the killed one
-  is absent, and every record file parses;
-- two servers sharing one redis-server: a response made on A is continued on B.
+- a SIGKILL mid-turn: every finished stored response continues after the restart (greedy: as a
+  cold run of its whole prompt does), the killed one is absent, and every record file parses;
+- two servers sharing one redis-server: a response made on A is continued on B;
+- two seeded forks of one response: identical tokens, each a fresh run of its whole prompt;
+- damaged and foreign record and capsule files under --capsule-dir: refused, the rest untouched.
 Tiny random-weight Qwen3 with its chat template: the text is meaningless; ids, counts and cache
-accounting are what is checked."""
+accounting are what is checked.
+
+The resume contract (issue 34), one named test or more per property (`pytest -k contract`):
+  prefix continuation    test_serve_responses.py::
+                           test_contract_prefix_continuation_tool_call_then_output_chain
+                         test_langgraph_resume.py::
+                           test_contract_prefix_continuation_langgraph_replay_and_fork_after_eviction
+  exactly-once           test_serve_once.py::test_contract_exactly_once_same_key_replays_without_running,
+                         ::test_contract_exactly_once_concurrent_duplicates_wait_for_the_first,
+                         ::test_contract_exactly_once_across_two_servers_sharing_redis
+                         test_langgraph_resume.py::
+                           test_contract_exactly_once_langgraph_interrupt_resume_runs_the_model_once
+  fork determinism       test_contract_fork_determinism_seeded_forks_equal_a_fresh_run (here),
+                         test_serve_responses.py::test_contract_fork_determinism_forks_independent_under_one_seed
+  checkpoint validity    test_contract_checkpoint_validity_damaged_or_foreign_refused (here)
+  consume-once           test_serve_once.py::test_contract_consume_once_racing_processes_one_server,
+                         ::test_contract_consume_once_across_two_servers_sharing_redis
+  recovery determinism   test_contract_recovery_determinism_sigkill_mid_turn_then_restart (here)"""
 from __future__ import annotations
 
 import concurrent.futures
@@ -189,7 +208,7 @@ def test_restart_keeps_responses_and_refcounts(ckpt, tmp_path):
         b.stop()
 
 
-def test_sigkill_mid_turn_then_restart(ckpt, tmp_path):
+def test_contract_recovery_determinism_sigkill_mid_turn_then_restart(ckpt, tmp_path):
     """SIGKILL while a long streamed turn runs and stored responses are being made: after the
     restart every response that had finished continues from its whole history, the killed one
     is absent, and no record file is half-written."""
@@ -246,6 +265,10 @@ def test_sigkill_mid_turn_then_restart(ckpt, tmp_path):
             assert httpx.get(f"{b.url}/v1/responses/{r['id']}").json() == r
             nxt = create(b, previous_response_id=r["id"], input="go on", max_output_tokens=1, store=False)
             assert cached(nxt) >= history(r), r["id"]
+        # the recovered state continues exactly as a cold run of the same whole prompt (greedy)
+        nxt = create(b, previous_response_id=done[-1]["id"], input="go on", max_output_tokens=6)
+        prompt, reply = turn_ids(caps, nxt)
+        assert cached(nxt) >= history(done[-1]) and reply == cold(b, prompt, 6, "cold")
         assert health(b)["damaged_files"] == 0
     finally:
         b.stop()
@@ -303,3 +326,111 @@ def test_spilled_past_the_memory_budget(ckpt, tmp_path):
         assert "--capsule-disk-mb" in r.json()["error"]["message"]
     finally:
         s.stop()
+
+
+def text(resp: dict) -> str:
+    return "".join(c["text"] for o in resp["output"] if o["type"] == "message" for c in o["content"])
+
+
+def turn_ids(caps, resp: dict) -> tuple:
+    """(prompt ids, reply ids) of a stored response, from its record file under caps."""
+    hist = json.loads((caps / "responses" / f"{resp['id']}.json").read_bytes())["history"]
+    n = resp["usage"]["input_tokens"]
+    return hist[:n], hist[n:]
+
+
+def cold(s, ids: list, n: int, salt: str, **kw) -> list:
+    """The reply ids of a fresh run of exactly `ids` (a cache namespace of its own: a full prefill)."""
+    c = s.complete(ids, max_tokens=n, cache_salt=salt, **kw)
+    assert c["usage"]["prompt_tokens_details"]["cached_tokens"] == 0, c["usage"]
+    return c["choices"][0]["token_ids"]
+
+
+def test_contract_fork_determinism_seeded_forks_equal_a_fresh_run(ckpt, tmp_path):
+    """Two forks of one response with one input and one seed (sampled, temperature 1) give the
+    same tokens, and each is a fresh run of its whole prompt with that seed; another seed differs."""
+    caps = tmp_path / "caps"
+    s = Server(ckpt("qwen3", "tiny", chat=True), *BASE, "--max-sessions", "1", "--capsule-dir", str(caps))
+    try:
+        base = create(s, input="Tell me a story " * 4, max_output_tokens=4)
+
+        def fork(seed: int) -> dict:
+            return create(s, previous_response_id=base["id"], input="about a dragon", max_output_tokens=12,
+                          temperature=1.0, seed=seed)
+        a, b, other = fork(7), fork(7), fork(8)
+        assert cached(a) >= history(base) and cached(b) >= history(base)
+        (pa, ra), (pb, rb), (po, ro) = (turn_ids(caps, r) for r in (a, b, other))
+        assert pa == pb == po and len(ra) == 12 and ra == rb and text(a) == text(b)
+        assert ro != ra                                   # the seed decides: 12 sampled tokens apart
+        assert cold(s, pa, 12, "fresh-7", temperature=1.0, seed=7) == ra
+        assert cold(s, po, 12, "fresh-8", temperature=1.0, seed=8) == ro
+    finally:
+        s.stop()
+
+
+def _damage(path) -> None:
+    """Every byte of the capsule file's state rows inverted, its header kept: the checksum fails
+    (a server that used it anyway would continue from garbage)."""
+    import struct
+
+    from flashrt.capsules import format as fmt
+    from flashrt.errors import CapsuleCorruptError
+    raw = bytearray(path.read_bytes())
+    start = 8 + struct.unpack_from("<Q", raw)[0]
+    raw[start:] = bytes(b ^ 0xFF for b in raw[start:])
+    path.write_bytes(bytes(raw))
+    with pytest.raises(CapsuleCorruptError):
+        fmt.load(path)
+
+
+def test_contract_checkpoint_validity_damaged_or_foreign_refused(ckpt, tmp_path):
+    """A restarted server on a --capsule-dir holding (i) a damaged record file and (ii) capsule
+    files it must refuse, in place of both the turn file and the spilled copy of two stored
+    responses: damaged ones (state rows inverted) and foreign ones (whole, checksummed: another
+    model's state after the same tokens). The damaged record is skipped and counted; the refused
+    capsules are not used: the continuations' greedy tokens are those of a cold run of their
+    whole prompt (a refused capsule is rebuilt from the record's tokens or prefilled); the other
+    stored response is untouched: GET as before, continued from its whole history."""
+    import flashrt
+    from flashrt.capsules import format as fmt
+    ck, caps = ckpt("qwen3", "tiny", chat=True), tmp_path / "caps"
+    a = Server(ck, *BASE, "--max-sessions", "1", "--capsule-dir", str(caps))
+    try:
+        lost, damaged, foreign, kept = (create(a, input=f"{t} conversation " * 8)
+                                        for t in ("lost", "damaged", "foreign", "kept"))
+    finally:
+        a.stop()
+    other = flashrt.load(ckpt("qwen3", "tiny", chat=True, seed=1), dtype="float32", max_seq_len=1024)
+    files = {f: fmt.load(f).history for f in caps.glob("*.capsule")}
+    for resp in (damaged, foreign):
+        hist = json.loads((caps / "responses" / f"{resp['id']}.json").read_bytes())["history"]
+        mine = [f for f, h in files.items() if h == hist]
+        assert len(mine) == 2, (resp["id"], mine)        # its turn file and its spilled copy
+        for f in mine:
+            if resp is damaged:
+                _damage(f)
+            else:
+                other.reset()
+                other.prefill(hist)
+                cap = other.snapshot()
+                assert cap.meta.fingerprint != fmt.load(f).meta.fingerprint
+                fmt.save(cap, f)
+    rec = caps / "responses" / f"{lost['id']}.json"
+    rec.write_bytes(rec.read_bytes().replace(b'"history":[', b'"history":[[', 1))
+    b = Server(ck, *BASE, "--max-sessions", "1", "--capsule-dir", str(caps))
+    try:
+        h = health(b)
+        assert h["damaged_files"] == 1 and h["stored"] == 3, h
+        assert httpx.get(f"{b.url}/v1/responses/{lost['id']}").status_code == 404
+        for i, r in enumerate((damaged, foreign)):
+            assert httpx.get(f"{b.url}/v1/responses/{r['id']}").json() == r     # the record stands
+            nxt = create(b, previous_response_id=r["id"], input="go on", max_output_tokens=8)
+            prompt, reply = turn_ids(caps, nxt)
+            assert len(reply) == 8 and prompt[: history(r)] == json.loads(
+                (caps / "responses" / f"{r['id']}.json").read_bytes())["history"]
+            assert reply == cold(b, prompt, 8, f"cold-{i}"), r["id"]
+        assert httpx.get(f"{b.url}/v1/responses/{kept['id']}").json() == kept
+        nxt = create(b, previous_response_id=kept["id"], input="go on", max_output_tokens=1, store=False)
+        assert cached(nxt) >= history(kept)
+    finally:
+        b.stop()
