@@ -55,18 +55,8 @@ def add_args(p) -> None:
 
 def capsule_cost(ckpt, dtype: str) -> tuple:
     """(fixed bytes, bytes per token) of one stored capsule, from the model code (meta device)."""
-    import torch
-
-    from flashrt.core.arena import CAPSULE_KINDS
-    from flashrt.lm.model import Options, lm_specs
-    from flashrt.models import model_module
-    hf = json.loads((ckpt / "config.json").read_text())
-    mod = model_module(hf)
-    with torch.device("meta"):
-        net = mod.Model(mod.CONFIG.from_hf(hf))
-    specs = [s for s in net.state_specs(1, C.torch_dtype(dtype)) + lm_specs(Options(max_seq_len=1), net.vocab_size)
-             if s.kind in CAPSULE_KINDS]
-    return sum(s.nbytes for s in specs if s.seq_dim is None), sum(s.row_bytes for s in specs if s.seq_dim == 0)
+    from bench.state_sizes import capsule_cost as cost
+    return cost(json.loads((ckpt / "config.json").read_text()), dtype)
 
 
 def lc_tools():

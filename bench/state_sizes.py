@@ -17,34 +17,41 @@ sys.path.insert(0, str(ROOT))
 def layout_table(arch: str, size: str, dtype: str, max_seq_len: int) -> str:
     """The arena table a runtime of this shape would print (rt.layout()), without weights."""
     from flashrt.core.arena import format_table, plan_slots
-    specs, _ = _specs(arch, size, dtype, max_seq_len)
-    slots, total = plan_slots(specs)
+    from flashrt.models.checkpoint import build_config
+    slots, total = plan_slots(_specs(build_config(arch, size).to_dict(), dtype, max_seq_len))
     fixed = sum(s.spec.nbytes for s in slots if s.spec.seq_dim is None and s.spec.kind not in ("io", "scratch"))
     per_tok = sum(s.spec.row_bytes for s in slots if s.spec.kind not in ("io", "scratch"))
     return format_table(slots, total, fixed, per_tok)
 
 
-def _specs(arch, size, dtype, max_seq_len):
+def _specs(hf: dict, dtype: str, max_seq_len: int) -> list:
+    """The buffer specs of a language model of config hf (a config.json dict), on the meta device."""
     import torch
 
+    from flashrt.lm.model import Options, lm_specs
     from flashrt.models import model_module
-    from flashrt.models.checkpoint import build_config
-    from flashrt.runtime import Options, runtime_specs
-    hf = build_config(arch, size).to_dict()
     mod = model_module(hf)
     with torch.device("meta"):
         net = mod.Model(mod.CONFIG.from_hf(hf))
     dt = {"bfloat16": torch.bfloat16, "float32": torch.float32}[dtype]
-    opts = Options(max_seq_len=max_seq_len)
-    return net.state_specs(max_seq_len, dt) + runtime_specs(opts, net.vocab_size), net
+    return net.state_specs(max_seq_len, dt) + lm_specs(Options(max_seq_len=max_seq_len), net.vocab_size)
+
+
+def capsule_specs(hf: dict, dtype: str) -> list:
+    from flashrt.core.arena import CAPSULE_KINDS
+    return [s for s in _specs(hf, dtype, 1) if s.kind in CAPSULE_KINDS]
+
+
+def capsule_cost(hf: dict, dtype: str) -> tuple:
+    """(fixed bytes, bytes per token) of one capsule of a model of config hf."""
+    specs = capsule_specs(hf, dtype)
+    return sum(s.nbytes for s in specs if s.seq_dim is None), sum(s.row_bytes for s in specs if s.seq_dim == 0)
 
 
 def state_sizes(arch: str, size: str, dtype: str) -> dict:
-    from flashrt.core.arena import CAPSULE_KINDS
-    specs, _ = _specs(arch, size, dtype, 1)
-    specs = [s for s in specs if s.kind in CAPSULE_KINDS]
-    fixed = sum(s.nbytes for s in specs if s.seq_dim is None)
-    per_tok = sum(s.row_bytes for s in specs if s.seq_dim == 0)
+    from flashrt.models.checkpoint import build_config
+    specs = capsule_specs(build_config(arch, size).to_dict(), dtype)
+    fixed, per_tok = capsule_cost(build_config(arch, size).to_dict(), dtype)
     by_kind = {}
     for s in specs:
         key = f"{s.kind}{'/token' if s.seq_dim == 0 else ''}"
