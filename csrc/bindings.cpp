@@ -38,6 +38,11 @@ PYBIND11_MODULE(_C, m) {
         "y (m, n) = x (m, k) @ w (n, k).T at host addresses, x and y float32, w float32 (bf16 "
         "where bf16_weights), contiguous rows; num_threads=0 uses OpenMP's thread count. For "
         "small m (a short step's projections).");
+  m.def("small_m_linear_int8", &flashrt::launch::small_m_linear_int8, py::arg("x"), py::arg("w"),
+        py::arg("scale"), py::arg("y"), py::arg("m"), py::arg("n"), py::arg("k"),
+        py::arg("num_threads") = 0,
+        "y (m, n) = (x (m, k) @ w (n, k).T) * scale (n,) at host addresses: x and y float32, w "
+        "int8, scale bf16, contiguous; num_threads=0 uses OpenMP's thread count.");
 #endif
   m.def("small_m_linear_isa", &flashrt::launch::small_m_linear_isa,
         "'avx2-fma' where small_m_linear runs on this CPU, '' otherwise.");

@@ -63,15 +63,23 @@ std::string small_m_linear_isa() {
   return ok ? "avx2-fma" : "";
 }
 
+namespace {
+void check_small_m(const char* name, std::uintptr_t x, std::uintptr_t w, std::uintptr_t y, int64_t m,
+                   int64_t n, int64_t k, int num_threads) {
+  const std::string fn(name);
+  if (small_m_linear_isa().empty())
+    throw std::runtime_error(fn + " needs AVX2 and FMA, which this CPU lacks");
+  if (m <= 0 || n <= 0 || k <= 0)
+    throw std::invalid_argument(fn + ": m, n, k must be positive, got " + std::to_string(m) +
+                                ", " + std::to_string(n) + ", " + std::to_string(k));
+  if (x == 0 || w == 0 || y == 0) throw std::invalid_argument(fn + ": null address");
+  if (num_threads < 0) throw std::invalid_argument("num_threads must be >= 0 (0 = all cores)");
+}
+}  // namespace
+
 void small_m_linear(std::uintptr_t x, std::uintptr_t w, std::uintptr_t y, int64_t m, int64_t n,
                     int64_t k, int num_threads, bool bf16_weights) {
-  if (small_m_linear_isa().empty())
-    throw std::runtime_error("small_m_linear needs AVX2 and FMA, which this CPU lacks");
-  if (m <= 0 || n <= 0 || k <= 0)
-    throw std::invalid_argument("small_m_linear: m, n, k must be positive, got " + std::to_string(m) +
-                                ", " + std::to_string(n) + ", " + std::to_string(k));
-  if (x == 0 || w == 0 || y == 0) throw std::invalid_argument("small_m_linear: null address");
-  if (num_threads < 0) throw std::invalid_argument("num_threads must be >= 0 (0 = all cores)");
+  check_small_m("small_m_linear", x, w, y, m, n, k, num_threads);
   py::gil_scoped_release nogil;  // the caller holds the tensors
   if (bf16_weights)
     flashrt::small_m_linear_bf16w(reinterpret_cast<const float*>(x), reinterpret_cast<const uint16_t*>(w),
@@ -80,11 +88,21 @@ void small_m_linear(std::uintptr_t x, std::uintptr_t w, std::uintptr_t y, int64_
     flashrt::small_m_linear(reinterpret_cast<const float*>(x), reinterpret_cast<const float*>(w),
                             reinterpret_cast<float*>(y), m, n, k, num_threads);
 }
+
+void small_m_linear_int8(std::uintptr_t x, std::uintptr_t w, std::uintptr_t scale, std::uintptr_t y,
+                         int64_t m, int64_t n, int64_t k, int num_threads) {
+  check_small_m("small_m_linear_int8", x, w, y, m, n, k, num_threads);
+  if (scale == 0) throw std::invalid_argument("small_m_linear_int8: null scale address");
+  py::gil_scoped_release nogil;  // the caller holds the tensors
+  flashrt::small_m_linear_int8w(reinterpret_cast<const float*>(x), reinterpret_cast<const int8_t*>(w),
+                                reinterpret_cast<const uint16_t*>(scale), reinterpret_cast<float*>(y),
+                                m, n, k, num_threads);
+}
 #else
 std::string small_m_linear_isa() { return ""; }
 #endif
 
-std::vector<std::string> small_m_linear_weight_dtypes() { return {"float32", "bfloat16"}; }
+std::vector<std::string> small_m_linear_weight_dtypes() { return {"float32", "bfloat16", "int8"}; }
 
 #ifdef FLASHRT_WITH_CUDA
 void copy_segments_cuda(const Int64Array& src, const Int64Array& dst, const Int64Array& nbytes,

@@ -40,6 +40,9 @@ class CpuCopyPlan {
 // the Python wrapper checks the tensors).
 void small_m_linear(std::uintptr_t x, std::uintptr_t w, std::uintptr_t y, int64_t m, int64_t n,
                     int64_t k, int num_threads, bool bf16_weights);
+// The same for int8 weights w (n, k) with a bf16 scale per row (n,): y = (x w^T) * scale.
+void small_m_linear_int8(std::uintptr_t x, std::uintptr_t w, std::uintptr_t scale, std::uintptr_t y,
+                         int64_t m, int64_t n, int64_t k, int num_threads);
 #endif
 std::string small_m_linear_isa();
 // The weight dtypes small_m_linear takes (a build from older sources lacks this name).

@@ -14,12 +14,18 @@
 //
 // bf16 weights (a bf16 model; x stays float32): each 8-weight load widens to float32 (a shift
 // of the 16 bits), then the same FMA tile; half the bytes stream, where oneDNN's bf16 GEMV reaches 12-14 GB/s.
+// int8 weights (load(..., weights="int8")): widened to float32 the same way (sign-extend,
+// convert: exact), the row's bf16 scale applied once to each output's sum.
+//
+// One row (a decode step) is a GEMV: no x reuse, so no tile; each thread streams its own
+// contiguous run of weight rows, GEMV_ROWS rows at a time with one vector sum per row (their
+// independent FMA chains keep enough loads in flight), x staying in L1.
 //
 // Built with -mavx2 -mfma on x86-64 only, so this file holds no code that runs before the
 // launcher has checked the CPU (no static initializers, no CPU test of its own).
 // Each output is one sum in a fixed order over k (lane j of the vector sum
-// takes k = j, j+8, ... in order, whatever the chunking), so results do not
-// depend on the thread count.
+// takes k = j, j+8, ... in order, whatever the chunking or traversal: tile or
+// GEMV), so results depend neither on the thread count nor on the batch.
 #include "flashrt.h"
 
 #include <immintrin.h>
@@ -53,12 +59,26 @@ inline __m256 load8(const uint16_t* w) {
   const __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
   return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
 }
+inline __m256 load8(const int8_t* w) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w))));
+}
 inline float widen(float w) { return w; }
+inline float widen(int8_t w) { return static_cast<float>(w); }
 inline float widen(uint16_t w) {
   const uint32_t u = static_cast<uint32_t>(w) << 16;
   float f;
   std::memcpy(&f, &u, sizeof f);
   return f;
+}
+
+// One output from its 8-lane vector sum over k < K8: the lanes added in a fixed tree, the k
+// tail in order, then the int8 row's scale (scale null: none). Both traversals end here.
+template <typename W>
+inline float finish(__m256 acc, const float* x, const W* w, int64_t K8, int64_t K,
+                    const uint16_t* scale) {
+  float s = hsum(acc);
+  for (int64_t k = K8; k < K; ++k) s += x[k] * widen(w[k]);
+  return scale ? s * widen(*scale) : s;
 }
 
 // Walks a weight block's lines into L2, one 64-byte line every `every` k-steps.
@@ -108,10 +128,10 @@ inline void tile_rows(int rows, const float* x, const W* w, float* part, int64_t
   }
 }
 
-// y[:, n0:n0+C] for M <= M_GROUP rows of x against the C weight rows at w.
+// y[:, n0:n0+C] for M <= M_GROUP rows of x against the C weight rows at w (scale: theirs).
 template <int C, typename W>
-void column_block(const float* x, int64_t M, const W* w, float* y, int64_t K, int64_t N,
-                  Prefetch& pf) {
+void column_block(const float* x, int64_t M, const W* w, const uint16_t* scale, float* y, int64_t K,
+                  int64_t N, Prefetch& pf) {
   alignas(32) float part[M_GROUP * C * 8];
   const int64_t K8 = K & ~int64_t{7};
   // x chunk (M x kc floats) + weight chunk (C x kc) within half of a 32 KiB L1
@@ -123,17 +143,15 @@ void column_block(const float* x, int64_t M, const W* w, float* y, int64_t K, in
                    k0, k1, k0 == 0, pf);
   }
   for (int64_t m = 0; m < M; ++m)
-    for (int n = 0; n < C; ++n) {
-      float s = K8 ? hsum(_mm256_load_ps(part + (m * C + n) * 8)) : 0.f;
-      for (int64_t k = K8; k < K; ++k) s += x[m * K + k] * widen(w[n * K + k]);
-      y[m * N + n] = s;
-    }
+    for (int n = 0; n < C; ++n)
+      y[m * N + n] = finish(K8 ? _mm256_load_ps(part + (m * C + n) * 8) : _mm256_setzero_ps(),
+                            x + m * K, w + n * K, K8, K, scale ? scale + n : nullptr);
 }
 
 // Blocks [b0, b1) of 4 weight rows each, all M rows of x.
 template <typename W>
-void run_blocks(const float* x, const W* w, float* y, int64_t M, int64_t N, int64_t K,
-                int64_t b0, int64_t b1) {
+void run_blocks(const float* x, const W* w, const uint16_t* scale, float* y, int64_t M, int64_t N,
+                int64_t K, int64_t b0, int64_t b1) {
   const int64_t steps_per_block = ((std::min(M, M_GROUP) + MR - 1) / MR) * (K / 8);
   for (int64_t b = b0; b < b1; ++b) {
     const int64_t n0 = b * NR, nb = std::min<int64_t>(NR, N - n0);
@@ -148,18 +166,96 @@ void run_blocks(const float* x, const W* w, float* y, int64_t M, int64_t N, int6
       const int64_t rows = std::min(M_GROUP, M - m);
       const float* xm = x + m * K;
       float* ym = y + m * N + n0;
+      const W* wb = w + n0 * K;
+      const uint16_t* sb = scale ? scale + n0 : nullptr;
       switch (nb) {
-        case 4: column_block<4>(xm, rows, w + n0 * K, ym, K, N, pf); break;
-        case 3: column_block<3>(xm, rows, w + n0 * K, ym, K, N, pf); break;
-        case 2: column_block<2>(xm, rows, w + n0 * K, ym, K, N, pf); break;
-        default: column_block<1>(xm, rows, w + n0 * K, ym, K, N, pf); break;
+        case 4: column_block<4>(xm, rows, wb, sb, ym, K, N, pf); break;
+        case 3: column_block<3>(xm, rows, wb, sb, ym, K, N, pf); break;
+        case 2: column_block<2>(xm, rows, wb, sb, ym, K, N, pf); break;
+        default: column_block<1>(xm, rows, wb, sb, ym, K, N, pf); break;
       }
     }
   }
 }
 
+// ---- one row of x (GEMV)
+constexpr int GEMV_ROWS = 4;
+// Per thread at least this many weight bytes: below it one thread streams the matrix sooner
+// than a fork/join (a few microseconds, more when the other core is busy) pays back.
+constexpr int64_t GEMV_MIN_BYTES = 256 << 10;
+// L2 prefetch this far ahead in the thread's run: a tile's R lines per line step, spread over
+// its k-steps (measured on one thread: float32 +3%; bf16 +15%, whose work per line leaves the
+// out-of-order window fewer lines in flight).
+constexpr int64_t GEMV_PREFETCH = 16 << 10;
+
+// y[n] for R weight rows at w: one vector sum per row, the same per-lane order as the tile.
+// end: the end of the thread's run (no prefetch past it).
+template <int R, typename W>
+inline void gemv_tile(const float* x, const W* w, const uint16_t* scale, float* y, int64_t K,
+                      const char* end) {
+  constexpr int STEPS = 64 / (8 * sizeof(W));          // k-steps of 8 per 64-byte line of a row
+  constexpr int PER = R >= STEPS ? R / STEPS : 1, EVERY = R >= STEPS ? 1 : STEPS / R;
+  const int64_t K8 = K & ~int64_t{7};
+  const char* pf = reinterpret_cast<const char*>(w) + GEMV_PREFETCH;
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  int64_t k = 0;
+  for (; k + 8 * STEPS <= K8; k += 8 * STEPS) {
+    for (int s = 0; s < STEPS; ++s) {
+      if (s % EVERY == 0)
+        for (int i = 0; i < PER; ++i, pf += 64)
+          if (pf < end) _mm_prefetch(pf, _MM_HINT_T1);
+      const int64_t j = k + 8 * s;
+      const __m256 xv = _mm256_loadu_ps(x + j);
+      for (int r = 0; r < R; ++r) acc[r] = _mm256_fmadd_ps(xv, load8(w + r * K + j), acc[r]);
+    }
+  }
+  for (; k < K8; k += 8) {
+    const __m256 xv = _mm256_loadu_ps(x + k);
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_fmadd_ps(xv, load8(w + r * K + k), acc[r]);
+  }
+  for (int r = 0; r < R; ++r) y[r] = finish(acc[r], x, w + r * K, K8, K, scale ? scale + r : nullptr);
+}
+
 template <typename W>
-void small_m(const float* x, const W* w, float* y, int64_t M, int64_t N, int64_t K, int num_threads) {
+void gemv_rows(const float* x, const W* w, const uint16_t* scale, float* y, int64_t K, int64_t n0,
+               int64_t n1) {
+  const char* end = reinterpret_cast<const char*>(w + n1 * K);
+  int64_t n = n0;
+  for (; n + GEMV_ROWS <= n1; n += GEMV_ROWS)
+    gemv_tile<GEMV_ROWS>(x, w + n * K, scale ? scale + n : nullptr, y + n, K, end);
+  for (; n < n1; ++n) gemv_tile<1>(x, w + n * K, scale ? scale + n : nullptr, y + n, K, end);
+}
+
+template <typename W>
+void gemv(const float* x, const W* w, const uint16_t* scale, float* y, int64_t N, int64_t K,
+          int num_threads) {
+#ifdef FLASHRT_OPENMP
+  if (num_threads <= 0) num_threads = omp_get_max_threads();
+  const int64_t by_bytes = N * K * int64_t{sizeof(W)} / GEMV_MIN_BYTES;
+  num_threads = static_cast<int>(std::min<int64_t>({num_threads, by_bytes, (N + 15) / 16}));
+  if (num_threads > 1 && !forked_after_load()) {
+    // balanced runs of rows, split at the multiple of 16 rows nearest an equal share (64
+    // bytes of y: no line written by two threads)
+#pragma omp parallel num_threads(num_threads)
+    {
+      const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+      const auto split = [&](int64_t i) { return i == nt ? N : (N * i / nt + 8) / 16 * 16; };
+      const int64_t n0 = split(t), n1 = split(t + 1);
+      gemv_rows(x, w, scale, y, K, n0, n1);
+    }
+    return;
+  }
+#else
+  (void)num_threads;
+#endif
+  gemv_rows(x, w, scale, y, K, 0, N);
+}
+
+template <typename W>
+void small_m(const float* x, const W* w, const uint16_t* scale, float* y, int64_t M, int64_t N,
+             int64_t K, int num_threads) {
+  if (M == 1) return gemv(x, w, scale, y, N, K, num_threads);
   const int64_t blocks = (N + NR - 1) / NR;
 #ifdef FLASHRT_OPENMP
   if (num_threads <= 0) num_threads = omp_get_max_threads();   // torch.set_num_threads sets it
@@ -169,26 +265,31 @@ void small_m(const float* x, const W* w, float* y, int64_t M, int64_t N, int64_t
 #pragma omp parallel num_threads(num_threads)
     {
       const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
-      run_blocks(x, w, y, M, N, K, blocks * t / nt, blocks * (t + 1) / nt);
+      run_blocks(x, w, scale, y, M, N, K, blocks * t / nt, blocks * (t + 1) / nt);
     }
     return;
   }
 #else
   (void)num_threads;
 #endif
-  run_blocks(x, w, y, M, N, K, 0, blocks);
+  run_blocks(x, w, scale, y, M, N, K, 0, blocks);
 }
 
 }  // namespace
 
 void small_m_linear(const float* x, const float* w, float* y, int64_t M, int64_t N, int64_t K,
                     int num_threads) {
-  small_m(x, w, y, M, N, K, num_threads);
+  small_m(x, w, nullptr, y, M, N, K, num_threads);
 }
 
 void small_m_linear_bf16w(const float* x, const uint16_t* w, float* y, int64_t M, int64_t N,
                           int64_t K, int num_threads) {
-  small_m(x, w, y, M, N, K, num_threads);
+  small_m(x, w, nullptr, y, M, N, K, num_threads);
+}
+
+void small_m_linear_int8w(const float* x, const int8_t* w, const uint16_t* scale, float* y,
+                          int64_t M, int64_t N, int64_t K, int num_threads) {
+  small_m(x, w, scale, y, M, N, K, num_threads);
 }
 
 }  // namespace flashrt

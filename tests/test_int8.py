@@ -12,8 +12,9 @@ import torch.nn.functional as F
 import flashrt
 from conftest import state_bytes
 from flashrt.lm import load as lm_load
+from flashrt import native
 from flashrt.nn.linear import (INT8_MAX_ROWS, Int8Embedding, Int8Weight, Linear, dequantize_int8,
-                               int8_linear, linear, quantize_int8)
+                               int8_linear, linear, quantize_int8, small_m_rows)
 
 # greedy agreement of int8 (float32 activations) with float32 on the trained model, teacher-forced
 # over PROMPTS below: 106 of 106 positions when written (over the held-out files, bench/decode.py:
@@ -54,25 +55,56 @@ def test_quantize_int8_rows():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 3, 16, 40])
 def test_int8_linear_matches_dequantized_float(dtype, rows):
-    """Up to INT8_MAX_ROWS rows: torch's int8 kernel, x rounded to bf16, one bf16 rounding of
-    the result; more: the float32 GEMM on the exactly dequantized weights. linear() sends an
-    Int8Weight there whatever the kernel asked."""
+    """Under "flashrt", the rows small_m_rows gives: the extension's small-M kernel, x in
+    float32, one rounding to x's dtype. Otherwise up to INT8_MAX_ROWS rows: torch's int8
+    kernel, x rounded to bf16, one bf16 rounding of the result; more: the float32 GEMM on the
+    exactly dequantized weights. linear() sends an Int8Weight there whatever the kernel asked."""
     g = torch.Generator().manual_seed(rows)
     w = quantize_int8(torch.randn(96, 256, generator=g))
     x = torch.randn(rows, 256, generator=g).to(dtype)
-    kernel_path = rows <= INT8_MAX_ROWS
-    xr = x.bfloat16() if kernel_path else x
-    ref = F.linear(xr.double(), dequantize_int8(w).double())
-    rel = 2 ** -8 if kernel_path or dtype == torch.bfloat16 else 1e-5
-    for y in (int8_linear(x, w), linear(x, w, kernel="flashrt"), linear(x[None], w, kernel="aten")[0]):
+    lo, hi = small_m_rows("flashrt", torch.int8)
+    for y, kernel in ((int8_linear(x, w), "aten"), (linear(x, w, kernel="flashrt"), "flashrt"),
+                      (linear(x[None], w, kernel="aten")[0], "aten")):
+        torch_kernel = rows <= INT8_MAX_ROWS and not (kernel == "flashrt" and lo <= rows <= hi)
+        ref = F.linear((x.bfloat16() if torch_kernel else x).double(), dequantize_int8(w).double())
+        rel = 2 ** -8 if torch_kernel or dtype == torch.bfloat16 else 1e-5
         assert y.dtype == dtype and y.shape == (rows, 96)
-        assert bool(((y.double() - ref).abs() <= rel * ref.abs() + 1e-4).all())
+        assert bool(((y.double() - ref).abs() <= rel * ref.abs() + 1e-4).all()), kernel
     # a strided x and a contiguous one 16 bytes off the kernel's alignment: the same bits
     strided = torch.zeros(rows, 512, dtype=dtype)[:, 8:264]
     shifted = torch.zeros(rows * 256 + 8, dtype=dtype)[8:].view(rows, 256)
     for other in (strided, shifted):
         other.copy_(x)
         assert torch.equal(int8_linear(other, w), int8_linear(x, w))
+
+
+@pytest.mark.skipif(not native.SMALL_M_INT8, reason="the extension's int8 small-M kernel does not run here")
+def test_int8_small_m_dispatch(monkeypatch):
+    """Under "flashrt" 1..SMALL_M_MAX_INT8 rows go to the extension's int8 kernel (counted;
+    bitwise its result rounded once to x's dtype; a strided x made contiguous), under "onednn"
+    and "aten" none do; a torch.compile'd body runs the same kernel as one op, same bits."""
+    lo, hi = small_m_rows("flashrt", torch.int8)
+    assert (lo, hi) == (1, native.SMALL_M_MAX_INT8) and small_m_rows("onednn", torch.int8)[1] == 0
+    calls = []
+    kernel = native.small_m_linear_int8
+    monkeypatch.setattr(native, "small_m_linear_int8", lambda x, w, s: calls.append(x.shape[0]) or kernel(x, w, s))
+    g = torch.Generator().manual_seed(6)
+    w = quantize_int8(torch.randn(40, 48, generator=g))
+    for m in (1, 2, hi, hi + 1):
+        for dtype in (torch.float32, torch.bfloat16):
+            x = torch.randn(m, 48, generator=g).to(dtype)
+            calls.clear()
+            y = linear(x, w, kernel="flashrt")
+            assert calls == ([m] if m <= hi else []), m
+            if m <= hi:
+                assert torch.equal(y, kernel(x.float(), w, w.scale).to(dtype))
+            for other in ("onednn", "aten"):
+                linear(x, w, kernel=other)
+            assert calls == ([m] if m <= hi else []), m
+    xt = torch.randn(48, 3, generator=g).t()                     # (3, 48), not contiguous
+    assert torch.equal(linear(xt, w, kernel="flashrt"), kernel(xt.contiguous(), w, w.scale))
+    body = torch.compile(lambda x: linear(x, w, kernel="flashrt"), backend="eager", fullgraph=True)
+    assert torch.equal(body(xt.contiguous()), linear(xt, w, kernel="flashrt"))
 
 
 def test_int8_load_quantizes_projections_and_tied_head(ckpt):

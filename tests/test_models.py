@@ -18,10 +18,12 @@ def _ids(n, vocab=512, seed=0):
 
 @pytest.mark.skipif(not native.SMALL_M_LINEAR, reason="small-M kernel does not run here")
 def test_flashrt_kernel_dispatch(monkeypatch):
-    """2..32 float32 rows take the small-M kernel (counted, and bitwise what it gives alone; a
-    strided x is made contiguous); one row, more rows and a strided weight take oneDNN (no
-    small-M call); all agree with F.linear."""
-    from flashrt.nn.linear import linear
+    """1..32 float32 rows take the small-M kernel (counted, and bitwise what it gives alone; a
+    strided x is made contiguous; one row is its GEMV); more rows and a strided weight take
+    oneDNN (no small-M call); all agree with F.linear."""
+    from flashrt.nn.linear import linear, small_m_rows
+    lo, hi = small_m_rows("flashrt", torch.float32)
+    assert (lo, hi) == (1, native.SMALL_M_MAX)
     calls = []
     kernel = native.small_m_linear
     monkeypatch.setattr(native, "small_m_linear", lambda x, w: calls.append(x.shape[0]) or kernel(x, w))
@@ -31,7 +33,7 @@ def test_flashrt_kernel_dispatch(monkeypatch):
         x = torch.randn(m, 24, generator=g)
         calls.clear()
         y = linear(x, w, kernel="flashrt")
-        small_m = 2 <= m <= native.SMALL_M_MAX
+        small_m = lo <= m <= hi
         assert calls == ([m] if small_m else []), m
         torch.testing.assert_close(y, x @ w.T, rtol=1e-5, atol=1e-5)
         if small_m:                                            # same kernel: same bits

@@ -123,6 +123,94 @@ def test_small_m_linear_refuses_bad_arguments():
         native._C.small_m_linear(0, w.data_ptr(), x.data_ptr(), 4, 6, 8)
 
 
+def _int8_weight(n, k, g):
+    """(q int8 (n, k), scale bf16 (n,), the float64 weights they stand for), any k."""
+    w = torch.randn(n, k, generator=g) * torch.logspace(-2, 1, n)[:, None]
+    scale = (w.abs().amax(1) / 127).bfloat16()
+    q = torch.round(w / scale.float()[:, None]).clamp(-127, 127).to(torch.int8)
+    return q, scale, q.double() * scale.double()[:, None]
+
+
+def _small_m(x, w, threads):
+    """The kernel on `threads` threads (raw binding: 0 = OpenMP's count), w float32, bf16 or
+    an int8 (q, scale) pair."""
+    y = torch.full((x.shape[0], (w[0] if isinstance(w, tuple) else w).shape[0]), float("nan"))
+    (m, k), n = x.shape, y.shape[1]
+    if isinstance(w, tuple):
+        native._C.small_m_linear_int8(x.data_ptr(), w[0].data_ptr(), w[1].data_ptr(), y.data_ptr(),
+                                      m, n, k, threads)
+    else:
+        native._C.small_m_linear(x.data_ptr(), w.data_ptr(), y.data_ptr(), m, n, k, threads,
+                                 w.dtype == torch.bfloat16)
+    return y
+
+
+@needs_small_m
+@pytest.mark.parametrize("wdtype", ["float32", "bfloat16", "int8"])
+@pytest.mark.parametrize("n, k", [(1, 1), (3, 7), (17, 9), (20, 16411), (67, 1000), (130, 2051),
+                                  (4099, 300), (1031, 1024)])
+def test_gemv_one_row(n, k, wdtype):
+    """One row (the GEMV: row runs split over threads at multiples of 16 rows, 4-row tiles and
+    1-row remainders, k tails under 8 and under a cache line) against a float64 reference;
+    bitwise the same on 1 and 2 threads, and the same as that row inside a batch."""
+    g = torch.Generator().manual_seed(n * 7 + k)
+    x = torch.randn(5, k, generator=g)
+    if wdtype == "int8":
+        q, scale, ref_w = _int8_weight(n, k, g)
+        w, got = (q, scale), native.small_m_linear_int8(x[:1].contiguous(), q, scale)
+    else:
+        w = torch.randn(n, k, generator=g).to(getattr(torch, wdtype))
+        ref_w, got = w.double(), native.small_m_linear(x[:1].contiguous(), w)
+    ref = x[:1].double() @ ref_w.T
+    torch.testing.assert_close(got, ref.float(), rtol=1e-5, atol=1e-5 * k ** 0.5 * float(ref_w.abs().max()))
+    one, two = _small_m(x[:1].contiguous(), w, 1), _small_m(x[:1].contiguous(), w, 2)
+    assert torch.equal(one, got) and torch.equal(two, got)
+    assert torch.equal(_small_m(x, w, 2)[:1], got)                 # the tile path's row 0
+
+
+@needs_small_m
+@pytest.mark.parametrize("m", [2, 3, 4, 16, 31, 32, 33])
+@pytest.mark.parametrize("n, k", [(5, 7), (13, 64), (67, 1000), (130, 2051)])
+def test_small_m_linear_int8_matches_a_double_reference(m, n, k):
+    """int8 weights at 2..33 rows (3-row tiles and remainders, 4..1-column blocks, k tails):
+    one float32 sum per output times the row's scale; 1 or 2 threads give the same bits, and
+    each row is bitwise its own GEMV."""
+    g = torch.Generator().manual_seed(m * 1000 + n + k)
+    q, scale, ref_w = _int8_weight(n, k, g)
+    x = torch.randn(m, k, generator=g)
+    got = native.small_m_linear_int8(x, q, scale)
+    ref = (x.double() @ ref_w.T).float()
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5 * k ** 0.5 * float(ref_w.abs().max()))
+    assert torch.equal(_small_m(x, (q, scale), 1), got) and torch.equal(_small_m(x, (q, scale), 2), got)
+    for i in (0, m - 1):
+        assert torch.equal(native.small_m_linear_int8(x[i:i + 1].contiguous(), q, scale), got[i:i + 1])
+
+
+@needs_small_m
+def test_small_m_linear_int8_refuses_bad_arguments():
+    g = torch.Generator().manual_seed(0)
+    q, scale, _ = _int8_weight(6, 32, g)
+    x = torch.randn(4, 32, generator=g)
+    for bad, msg in [((x.double(), q, scale), "x must be a contiguous 2-D float32"),
+                     ((x.t().contiguous().t(), q, scale), "x must be.*not contiguous"),
+                     ((x, q.float(), scale), "w must be a contiguous 2-D int8"),
+                     ((x, torch.zeros(6, 64, dtype=torch.int8)[:, ::2], scale), "w must be.*not contiguous"),
+                     ((x, q, scale.float()), "scale must be a contiguous 1-D bfloat16"),
+                     ((x, q, scale[:5]), "do not multiply"),
+                     ((x[:, :16].contiguous(), q, scale), "do not multiply")]:
+        with pytest.raises(ValueError, match=msg):
+            native.small_m_linear_int8(*bad)
+    y = torch.empty(4, 6)
+    with pytest.raises(ValueError, match="out must be"):
+        native.small_m_linear_int8(x, q, scale, out=torch.empty(4, 5))
+    with pytest.raises(ValueError, match="small_m_linear_int8: null scale"):
+        native._C.small_m_linear_int8(x.data_ptr(), q.data_ptr(), 0, y.data_ptr(), 4, 6, 32)
+    with pytest.raises(ValueError, match="small_m_linear_int8: m, n, k must be positive"):
+        native._C.small_m_linear_int8(x.data_ptr(), q.data_ptr(), scale.data_ptr(), y.data_ptr(), 4, 0, 32)
+    with pytest.raises(ValueError, match="num_threads"):
+        native._C.small_m_linear_int8(x.data_ptr(), q.data_ptr(), scale.data_ptr(), y.data_ptr(), 4, 6, 32, -1)
+
+
 # --------------------------------------------------------------------------- CPU copies
 
 @pytest.mark.parametrize("num_threads", [1, 2])

@@ -12,7 +12,8 @@ It imports nothing of flashrt outside this folder.
   ``read_blocks_hashed``: an XXH3-64 per block, each hashed right after it is read).
 * capsule_file.py: ``load_known_table``, a whole capsule load in one call for a file whose
   entry table the target already holds; ``zero_spans``.
-* gemm.py: ``small_m_linear``, the small-M projection kernel.
+* gemm.py: ``small_m_linear`` / ``small_m_linear_int8``, the small-M projection kernel (one
+  row: a GEMV) for float32, bf16 and int8 weights.
 * _ext.py: loading the extension, and whether its OpenMP threads are torch's.
 """
 from __future__ import annotations
@@ -21,9 +22,10 @@ from ._ext import (COPIES_ON_TORCH_THREADS, HAVE_CUDA_EXT, HAVE_EXT, NEEDS, C as
                    ext_status)
 from .capsule_file import load_known_table, zero_spans  # noqa: F401
 from .copies import SegmentPlan, copy_segments  # noqa: F401
-from .gemm import SMALL_M_LINEAR, SMALL_M_MAX, SMALL_M_MAX_BF16, small_m_linear  # noqa: F401
+from .gemm import (SMALL_M_INT8, SMALL_M_LINEAR, SMALL_M_MAX, SMALL_M_MAX_BF16,  # noqa: F401
+                   SMALL_M_MAX_INT8, small_m_linear, small_m_linear_int8)
 from .hashes import hash_blocks, read_blocks_hashed, xxh3, xxh3_parts, xxh64  # noqa: F401
 
 __all__ = ["HAVE_EXT", "HAVE_CUDA_EXT", "ext_status", "SegmentPlan", "copy_segments", "xxh64",
            "xxh3", "xxh3_parts", "zero_spans", "hash_blocks", "read_blocks_hashed",
-           "load_known_table", "small_m_linear"]
+           "load_known_table", "small_m_linear", "small_m_linear_int8"]

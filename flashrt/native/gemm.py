@@ -1,5 +1,6 @@
-"""The small-M projection kernel (csrc/linear_cpu.cpp): x (M, K) @ w (N, K).T for a few rows,
-streaming the weights once at memory bandwidth."""
+"""The small-M projection kernel (csrc/linear_cpu.cpp): x (M, K) @ w (N, K).T for a few rows
+(one row: a GEMV), streaming the weights once at memory bandwidth; float32, bf16 or int8
+weights (a per-row scale)."""
 from __future__ import annotations
 
 import torch
@@ -10,9 +11,31 @@ from . import _ext as ext
 # its threads are torch's (a second OpenMP pool would fight torch's spinning workers).
 SMALL_M_LINEAR: bool = ext.HAVE_EXT and bool(ext.C.small_m_linear_isa()) and ext.COPIES_ON_TORCH_THREADS
 SMALL_M_MAX = 32      # measured: 1.3-1.8x oneDNN at M = 2..32; oneDNN's blocked GEMM wins above
+# one row (the GEMV): 1.1x oneDNN's float32 inner product over a Qwen3.5-0.8B step's weights
 # bf16 weights: 1.2-1.7x oneDNN's bf16 inner product at M = 1..8 (its AVX512-BF16 dot products
 # win from ~10 rows on: bench/linear.py --dtype bfloat16)
 SMALL_M_MAX_BF16 = 8
+# int8 weights (an Int8Weight; the build has the int8 kernel: older sources lack it): 1.3-1.7x
+# torch's int8 weight-only kernel at M = 1..32 (bench/linear.py --weights int8)
+SMALL_M_INT8: bool = SMALL_M_LINEAR and "int8" in ext.C.small_m_linear_weight_dtypes()
+SMALL_M_MAX_INT8 = 32
+
+
+def _check(fn: str, name: str, t: torch.Tensor, dtypes: tuple, dim: int = 2) -> None:
+    if t.dtype not in dtypes or t.dim() != dim or not t.is_contiguous() or t.device.type != "cpu":
+        raise ValueError(f"{fn}: {name} must be a contiguous {dim}-D "
+                         f"{' or '.join(str(d)[6:] for d in dtypes)} CPU tensor, got "
+                         f"{t.dtype}, shape {tuple(t.shape)}, strides {t.stride()}"
+                         f"{'' if t.is_contiguous() else ' (not contiguous)'}, {t.device}")
+
+
+def _out(fn: str, out: torch.Tensor | None, m: int, n: int) -> torch.Tensor:
+    if out is None:
+        return torch.empty(m, n, dtype=torch.float32)
+    if out.dtype != torch.float32 or tuple(out.shape) != (m, n) or not out.is_contiguous() \
+            or out.device.type != "cpu":
+        raise ValueError(f"{fn}: out must be a contiguous float32 CPU ({m}, {n}) tensor")
+    return out
 
 
 def small_m_linear(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -21,21 +44,32 @@ def small_m_linear(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = 
     (widened in registers). ValueError names a bad argument."""
     if not (ext.HAVE_EXT and ext.C.small_m_linear_isa()):
         raise RuntimeError(f"small_m_linear unavailable: {ext.ext_status()}")
-    for name, t, dtypes in (("x", x, (torch.float32,)), ("w", w, (torch.float32, torch.bfloat16))):
-        if t.dtype not in dtypes or t.dim() != 2 or not t.is_contiguous() or t.device.type != "cpu":
-            raise ValueError(f"small_m_linear: {name} must be a contiguous 2-D "
-                             f"{' or '.join(str(d)[6:] for d in dtypes)} CPU tensor, got "
-                             f"{t.dtype}, shape {tuple(t.shape)}, strides {t.stride()}"
-                             f"{'' if t.is_contiguous() else ' (not contiguous)'}, {t.device}")
+    _check("small_m_linear", "x", x, (torch.float32,))
+    _check("small_m_linear", "w", w, (torch.float32, torch.bfloat16))
     (m, k), (n, k2) = x.shape, w.shape
     if k != k2 or m == 0 or n == 0 or k == 0:
         raise ValueError(f"small_m_linear: x {tuple(x.shape)} and w {tuple(w.shape)} do not multiply")
-    if out is None:
-        out = torch.empty(m, n, dtype=torch.float32)
-    elif out.dtype != torch.float32 or tuple(out.shape) != (m, n) or not out.is_contiguous() \
-            or out.device.type != "cpu":
-        raise ValueError(f"small_m_linear: out must be a contiguous float32 CPU ({m}, {n}) tensor")
+    out = _out("small_m_linear", out, m, n)
     ext.C.small_m_linear(x.data_ptr(), w.data_ptr(), out.data_ptr(), m, n, k,
                       bf16_weights=w.dtype == torch.bfloat16)
+    return out
+
+
+def small_m_linear_int8(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
+                        out: torch.Tensor | None = None) -> torch.Tensor:
+    """(x (M, K) @ w (N, K).T) * scale (N,) as float32 (M, N): x float32, w int8 (widened in
+    registers, each output one float32 sum as small_m_linear's), scale bf16, applied once per
+    output. Callers check SMALL_M_INT8. ValueError names a bad argument."""
+    if not (ext.HAVE_EXT and ext.C.small_m_linear_isa() and "int8" in ext.C.small_m_linear_weight_dtypes()):
+        raise RuntimeError(f"small_m_linear_int8 unavailable: {ext.ext_status()}")
+    _check("small_m_linear_int8", "x", x, (torch.float32,))
+    _check("small_m_linear_int8", "w", w, (torch.int8,))
+    _check("small_m_linear_int8", "scale", scale, (torch.bfloat16,), dim=1)
+    (m, k), (n, k2) = x.shape, w.shape
+    if k != k2 or m == 0 or n == 0 or k == 0 or scale.shape[0] != n:
+        raise ValueError(f"small_m_linear_int8: x {tuple(x.shape)}, w {tuple(w.shape)} and scale "
+                         f"{tuple(scale.shape)} do not multiply")
+    out = _out("small_m_linear_int8", out, m, n)
+    ext.C.small_m_linear_int8(x.data_ptr(), w.data_ptr(), scale.data_ptr(), out.data_ptr(), m, n, k)
     return out
 

@@ -2,8 +2,9 @@
 choice of kernel per load (oneDNN, the extension's small-M kernel, or F.linear), probed once.
 
 Weights in 8 bits (load(..., weights="int8")): an `Int8Weight` carries its per-row scale, and
-`linear` sends it to `int8_linear` (torch's int8 weight-only kernel for a few rows, the float
-GEMM on dequantized weights for a prefill chunk); `Int8Embedding` is a tied table's lookup.
+`linear` sends it to `int8_linear` (the extension's small-M kernel, or torch's int8 weight-only
+kernel, for a few rows; the float GEMM on dequantized weights for a prefill chunk);
+`Int8Embedding` is a tied table's lookup.
 
 The compile custom op keeps the chosen kernel whole inside torch.compile'd bodies."""
 from __future__ import annotations
@@ -23,19 +24,24 @@ WIDEN = "flashrt-widen"
 
 
 def small_m_rows(kernel: str, dtype: torch.dtype) -> tuple[int, int]:
-    """Rows [lo, hi] of a step that the small-M kernel takes under `kernel`."""
+    """Rows [lo, hi] of a step that the small-M kernel takes under `kernel`, for weights of
+    `dtype` (torch.int8: an Int8Weight); (1, 0): none. One row runs as its GEMV."""
+    if kernel not in ("flashrt", WIDEN):
+        return 1, 0
     if dtype == torch.float32:
-        return 2, native.SMALL_M_MAX
+        return 1, native.SMALL_M_MAX
     if dtype == torch.bfloat16:
         return 1, native.SMALL_M_MAX if kernel == WIDEN else native.SMALL_M_MAX_BF16
+    if dtype == torch.int8 and native.SMALL_M_INT8:
+        return 1, native.SMALL_M_MAX_INT8
     return 1, 0
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, kernel: str = "aten"):
     """x @ w.T (+ b). kernel "onednn": oneDNN's inner product on the unchanged (out, in) weight,
     the op torch.compile's CPU backend emits; "flashrt": the same, except a few rows (a decode
-    step in bf16; a short step in either: a user turn, a speculative verify) go to the
-    extension's small-M kernel: float32 at 2..SMALL_M_MAX rows, bf16 weights at
+    step; a short step: a user turn, a speculative verify) go to the extension's small-M
+    kernel (small_m_rows): float32 at 1..SMALL_M_MAX rows, bf16 weights at
     1..SMALL_M_MAX_BF16 (summed in float32, rounded to bf16 once); WIDEN: bf16 weights at
     1..SMALL_M_MAX rows on the small-M kernel, longer steps on oneDNN in float32 from weights
     widened per call (exact), rounded to bf16 once; "aten": F.linear. An Int8Weight w goes to
@@ -104,12 +110,21 @@ def dequantize_int8(w: Int8Weight) -> torch.Tensor:
 
 
 def int8_linear(x: torch.Tensor, w: Int8Weight, kernel: str = "aten") -> torch.Tensor:
-    """x (..., in) @ dequant(w).T -> (..., out) in x's dtype. Up to INT8_MAX_ROWS rows: torch's
-    weight-only int8 kernel (what torchao and gpt-fast call), which takes x rounded to bf16,
-    sums in float32 and rounds the result to bf16. More rows (a prefill chunk): `kernel`'s
-    float32 GEMM on dequantize_int8(w) made for the call, x in float32."""
+    """x (..., in) @ dequant(w).T -> (..., out) in x's dtype. The rows small_m_rows(kernel,
+    torch.int8) gives (under "flashrt", on CPU): the extension's small-M kernel, x in float32
+    (bf16 widened exactly), one float32 sum per output times the row's scale, rounded to x's
+    dtype once. Otherwise up to INT8_MAX_ROWS rows: torch's weight-only int8 kernel (what
+    torchao and gpt-fast call), which takes x rounded to bf16, sums in float32 and rounds the
+    result to bf16. More rows (a prefill chunk): `kernel`'s float32 GEMM on dequantize_int8(w)
+    made for the call, x in float32."""
     x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])     # (M, in); a step's x is 2-D
-    if x2.shape[0] > INT8_MAX_ROWS:
+    lo, hi = small_m_rows(kernel, torch.int8)
+    if lo <= x2.shape[0] <= hi and x2.device.type == "cpu":
+        if torch.compiler.is_compiling():
+            y = torch.ops.flashrt.int8_small_m(x2, w, w.scale)
+        else:
+            y = native.small_m_linear_int8(x2.contiguous().float(), w, w.scale)
+    elif x2.shape[0] > INT8_MAX_ROWS:
         y = linear(x2.float(), dequantize_int8(w), None, kernel)
     else:
         xb = x2.to(torch.bfloat16)
@@ -143,6 +158,17 @@ def _linear_op(x: torch.Tensor, w: torch.Tensor, kernel: str) -> torch.Tensor:
 @_linear_op.register_fake
 def _(x, w, kernel):
     return x.new_empty((*x.shape[:-1], w.shape[0]))
+
+
+@torch.library.custom_op("flashrt::int8_small_m", mutates_args=())
+def _int8_small_m_op(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """int8_linear's small-M call as one op for torch.compile'd bodies: (M, in) -> float32 (M, out)."""
+    return native.small_m_linear_int8(x.contiguous().float(), q, scale)
+
+
+@_int8_small_m_op.register_fake
+def _(x, q, scale):
+    return x.new_empty((x.shape[0], q.shape[0]), dtype=torch.float32)
 
 
 class Linear(nn.Linear):
