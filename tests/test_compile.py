@@ -38,23 +38,25 @@ def test_compiled_bodies_keep_capsules_exact(runtime):
 
 
 def test_every_step_size_gets_its_own_compiled_entry(ckpt):
-    """Dynamo caches compiled frames per code object, at most recompile_limit (8) each: 9 sizes
-    (up to 256 tokens) must each compile, through a code object of their own, without the
-    constructor raising that process-wide limit."""
+    """Dynamo caches compiled frames per code object, at most recompile_limit each: more sizes
+    than the limit must each compile, through a code object of their own, without the
+    constructor raising that process-wide limit. The limit is lowered to 2 here (4 sizes, up to
+    8 tokens, where the default 8 would take 9 sizes and two minutes of compiling)."""
     from torch._dynamo.utils import counters
 
     from flashrt.lm import LanguageModel, Options
     from flashrt.models.loader import load_model
-    limit = torch._dynamo.config.recompile_limit
-    lm = LanguageModel(load_model(ckpt("qwen3_5", "tiny"), dtype="float32"),
-                       Options(max_seq_len=512, prefill_chunk=256, graph_max_tokens=256))
-    graphs = use_graph_bodies(lm, compile=True)
-    assert len(graphs.sizes) == 9 > limit
-    assert torch._dynamo.config.recompile_limit == limit            # no process-wide change
-    codes = {f._torchdynamo_orig_callable.__code__ for f in graphs.fns.values()}
-    assert len(codes) == len(graphs.fns)                              # one code object each
-    torch._dynamo.reset()
-    counters.clear()
-    lm.prefill(list(range(1, 1 + 511)))        # 511 = 256 + 128 + ... + 1: every size body runs
-    assert counters["stats"]["unique_graphs"] >= len(graphs.sizes)
-    assert not any("recompile_limit" in k for k in counters["recompiles"]), counters["recompiles"]
+    with torch._dynamo.config.patch(recompile_limit=2):
+        limit = torch._dynamo.config.recompile_limit
+        lm = LanguageModel(load_model(ckpt("qwen3_5", "tiny"), dtype="float32"),
+                           Options(max_seq_len=64, prefill_chunk=8, graph_max_tokens=8))
+        graphs = use_graph_bodies(lm, compile=True)
+        assert len(graphs.sizes) == 4 > limit
+        assert torch._dynamo.config.recompile_limit == limit            # no process-wide change
+        codes = {f._torchdynamo_orig_callable.__code__ for f in graphs.fns.values()}
+        assert len(codes) == len(graphs.fns)                              # one code object each
+        torch._dynamo.reset()
+        counters.clear()
+        lm.prefill(list(range(1, 1 + 15)))        # 15 = 8 + 4 + 2 + 1: every size body runs
+        assert counters["stats"]["unique_graphs"] >= len(graphs.sizes)
+        assert not any("recompile_limit" in k for k in counters["recompiles"]), counters["recompiles"]
