@@ -176,6 +176,8 @@ class Stats:
         return f"{f.format(self.median * 1e3)} [{f.format(self.min * 1e3)}-{f.format(self.max * 1e3)}]"
 
     def to_json(self) -> dict:
+        if not self.samples:        # a stage a run never reached (a failed framework turn, say)
+            return {"median_ms": None, "min_ms": None, "max_ms": None, "n": 0, "samples_ms": []}
         return {"median_ms": self.median * 1e3, "min_ms": self.min * 1e3, "max_ms": self.max * 1e3,
                 "n": len(self.samples), "samples_ms": [s * 1e3 for s in self.samples]}
 
