@@ -50,6 +50,8 @@ def add_args(p) -> None:
                    help="model calls of the LangGraph loop (the last one text; default 3)")
     p.add_argument("--resume-budget-mb", type=float, default=None,
                    help="--capsule-budget-mb of its server (default: about 3x what the loop retains)")
+    p.add_argument("--resume-repeats", type=int, default=None,
+                   help="timed rounds of the replay and fork cases (default --repeats)")
     p.add_argument("--no-resume", action="store_true", help="skip the LangGraph replay and fork cases")
 
 
@@ -214,7 +216,7 @@ def measure(ckpt, tok, a, biases, first_prompt: int) -> dict:
             return timed(body)
         names = list(cases) + ["warm turn"]
         runs, rounds = {k: [] for k in names}, []
-        for r in C.progress(range(a.warmup + a.repeats), desc="LangGraph replay / fork"):
+        for r in C.progress(range(a.warmup + (a.resume_repeats or a.repeats)), desc="LangGraph replay / fork"):
             rounds.append(pressure(f"round {r}"))
             for name in names if r % 2 == 0 else names[::-1]:
                 got = warm(r) if name == "warm turn" else cases[name]()
@@ -284,7 +286,7 @@ def accept(acc, res) -> None:
 
 def table(res, a):
     t = C.Table(f"LangGraph replay and fork after store pressure ({C.label('qwen3_5', a.size)}, {a.device}, "
-                f"{a.dtype}; --capsule-budget-mb {res['budget_mb']}; median of {a.repeats})",
+                f"{a.dtype}; --capsule-budget-mb {res['budget_mb']}; median of {a.resume_repeats or a.repeats})",
                 ["case", "prompt tok", "cached tok", "new tok", "TTFT ms [min-max]", "vs warm turn"])
     for name, r in res["rows"].items():
         t.add(name, r["prompt_tokens"], r["cached"], r["new"],

@@ -607,6 +607,45 @@ def test_set_context_paths(arch, runtime, tmp_path):
         c.set_context([1, 99999], store=st)
 
 
+def test_delta_chain_plan_reused_only_for_the_same_links(runtime, monkeypatch):
+    """A stored delta chain restored again skips the chain walk (a stored capsule is never
+    rewritten); a link on another buffer, or a damaged one, is checked again and refused."""
+    from flashrt.core.copy import Copier
+    a = runtime("qwen3_5")
+    st = CapsuleStore(device_bytes=1 << 30)
+    t = _ids(21, 71)
+    for extra in (_ids(5, 72), _ids(7, 73)):
+        a.set_context(t, store=st)
+        t = t + extra
+    a.set_context(t, store=st)
+    ref = state_bytes(a)
+    walks = []
+    orig = Copier.check_fits
+    monkeypatch.setattr(Copier, "check_fits", lambda self, *x: (walks.append(1), orig(self, *x))[1])
+    b = runtime("qwen3_5")
+    for n_walks in (1, 1):                    # the second restore reuses the checked plan
+        b.set_context(_ids(9, 74))
+        cap, n = st.match(t, b.fingerprint)
+        assert n == len(t) and len(cap.chain()) == 3
+        b.restore(cap)
+        assert len(walks) == n_walks and torch.equal(state_bytes(b), ref)
+    cap, _ = st.match(t, b.fingerprint)
+    root = cap.chain()[0]
+    moved = Capsule(root.data.clone(), root.entries, root.meta)        # same id, another buffer
+    cap.chain()[1].parent_capsule = moved
+    b.set_context(_ids(9, 74))
+    b.restore(cap)
+    assert len(walks) == 2 and torch.equal(state_bytes(b), ref)
+    damaged = Capsule(root.data.clone(), root.entries, root.meta)
+    damaged.view(root.meta.extra["history"])[3] += 1
+    cap.chain()[1].parent_capsule = damaged
+    b.set_context(_ids(9, 74))
+    before = state_bytes(b)
+    with pytest.raises(CapsuleMismatchError, match="does not extend"):
+        b.restore(cap)
+    assert torch.equal(state_bytes(b), before)
+
+
 # ---- runtime serialisation -----------------------------------------------------------------------
 class _RecordingLock:
     """Stands in for LanguageModel._lock: logs the op that takes it first (outermost), in order."""

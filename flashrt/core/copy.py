@@ -193,7 +193,12 @@ class Copier:
         kinds: those only (default: all it holds). A capsule checked here before, with the same
         entry table, position and (read-only, so unedited) fingerprint object, is not again."""
         made_for = None
-        if isinstance(cap, Capsule) and not cap.is_delta:
+        if isinstance(cap, Capsule) and cap.is_delta:      # a stored prefix: the same chain again
+            chain = cap.chain()
+            seg = self._chain_hit(chain, fingerprint, max_seq_len, kinds)
+            if seg is not None:
+                return seg, chain
+        elif isinstance(cap, Capsule):
             meta = cap.meta
             made_for = (cap.entries, meta.fingerprint, meta.position, fingerprint, max_seq_len)
             hit = cap.plans.get(("copy", "checked", kinds))
@@ -203,7 +208,27 @@ class Copier:
         seg = self._plan(cap, cap.kinds if kinds is None else kinds & cap.kinds, chain)
         if made_for is not None and type(made_for[1]) is ReadOnlyDict:
             self._remember(cap, ("checked", kinds), made_for, seg)
+        elif cap.is_delta and seg.mode in ("cpu", "cuda"):
+            self._keep_chain(chain, fingerprint, max_seq_len, kinds, seg)
         return seg, chain
+
+    def _keep_chain(self, chain, fingerprint, max_seq_len, kinds, seg) -> None:
+        """A checked delta chain's address table, valid while every link is the same buffer,
+        entry table and meta (a stored capsule is never rewritten): no views, no history walk."""
+        if not all(type(c.meta.fingerprint) is ReadOnlyDict for c in chain):
+            return                              # an editable fingerprint: check it every time
+        links = tuple((weakref.ref(c.data), c.entries, c.meta) for c in chain)
+        self._keep(("chain", kinds, tuple(c.id for c in chain)),
+                   (links, fingerprint, max_seq_len, seg.src, seg.dst, seg.nbytes, seg.device))
+
+    def _chain_hit(self, chain, fingerprint, max_seq_len, kinds) -> SegmentPlan | None:
+        t = self._tables.get(("chain", kinds, tuple(c.id for c in chain)))
+        if t is None or t[1] is not fingerprint or t[2] != max_seq_len:
+            return None
+        for (ref, entries, meta), c in zip(t[0], chain):
+            if ref() is not c.data or c.entries is not entries or c.meta is not meta:
+                return None
+        return SegmentPlan.from_table(t[3], t[4], t[5], t[6], tuple(c.data for c in chain))
 
     def _plan(self, cap: Capsule, kinds: frozenset, chain) -> SegmentPlan:
         if cap.is_delta:                      # ancestors may be re-attached: plan afresh

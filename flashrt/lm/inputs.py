@@ -72,6 +72,9 @@ def embeds_ids(embeds, hidden: int, position_ids=None, specs=()):
 
 def context_ids(context, vocab: int, max_len: int, who: str = "set_context", specs=()):
     """(history ids, [(base, embeds)]) for a context of token ids and embedding tensors."""
+    if type(context) is list and 0 < len(context) <= max_len and all(type(v) is int for v in context) \
+            and 0 <= min(context) and max(context) < vocab:
+        return list(context), []         # plain token ids, all valid: no per-item checks
     if isinstance(context, torch.Tensor) and not context.is_floating_point():
         context = context.reshape(-1).tolist()
     if isinstance(context, (str, bytes)) or not isinstance(context, (list, tuple)):
