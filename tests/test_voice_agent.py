@@ -192,6 +192,47 @@ def test_barge_in_rolls_back_synthesizer_and_model_to_what_was_played(make_agent
     _model_matches_fresh(agent, runtime, conv)
 
 
+@pytest.mark.parametrize("lag_ms", [100.0, None])
+def test_speech_over_a_slow_reply_is_heard_when_it_comes(make_agent, parts, monkeypatch, lag_ms):
+    """A reply made slower than real time (a turn clock where each reply step costs 0.25 s and
+    nothing else costs time) must not keep the agent from the microphone: past the first audio
+    it waits while over listen_lag_ms behind, so the turn spoken over it ends its VAD stage
+    within one step and the lag of the reference run, where steps cost nothing. None: the
+    whole reply is made at its release and that turn waits for it."""
+    import flashrt.voice.agent as agent_mod
+    from flashrt.voice.reply import Reply
+    clock, cost = [0.0], [0.0]
+    monkeypatch.setattr(agent_mod, "time", type("FakeTime", (), {"perf_counter": staticmethod(lambda: clock[0])}))
+    step = Reply.step
+
+    def slow(self):
+        clock[0] += cost[0]
+        return step(self)
+    monkeypatch.setattr(Reply, "step", slow)
+    byte_tok = parts["synth"].tokenizer           # random text has no sentence end: make some
+
+    class FullStops:
+        kind = "full-stops"
+        encode = staticmethod(lambda text: [ord(".") if i % 4 == 3 else b for i, b in enumerate(text.encode())])
+        decode = staticmethod(byte_tok.decode)
+    monkeypatch.setattr(parts["synth"], "tokenizer", FullStops())
+    pcm = torch.cat([read_wav("voice_weather"), silence(1.0), read_wav("voice_interrupt"), silence(20.0)])
+    vad_ms = []
+    for c in (0.0, 0.25):
+        cost[0] = c
+        agent = make_agent(max_reply_tokens=16, tts_max_frames=4, listen_lag_ms=lag_ms)
+        agent.played(0)                     # the speaker reports nothing played: the reply lasts
+        ev = drive(agent, pcm)
+        done = of(ev, TurnDone)
+        assert len(of(ev, BargeIn)) == 1 and len(done) == 2
+        vad_ms.append(done[1].timings.vad)
+    if lag_ms is None:
+        assert vad_ms[1] > vad_ms[0] + 1000
+    else:
+        assert vad_ms[1] <= vad_ms[0] + lag_ms + 250 + 1, vad_ms
+    print(vad_ms)
+
+
 def _model_matches_fresh(agent, runtime, history):
     assert agent.lm.tokens[: len(history)] == history
     if agent.lm.position > len(history):
@@ -293,6 +334,8 @@ def test_bad_options_and_parts_are_refused(parts, runtime):
         VoiceOptions(max_reply_tokens=0)
     with pytest.raises(ValueError, match="lead_ms"):
         VoiceOptions(lead_ms=-1)
+    with pytest.raises(ValueError, match="listen_lag_ms"):
+        VoiceOptions(listen_lag_ms=float("nan"))
     lm = runtime(ARCH, ckpt_kw={"chat": True}, max_seq_len=4096)
     tr = StreamingTranscriber(parts["asr"], tokenizer=parts["asr"].tokenizer)
     with pytest.raises(ValueError, match="voice prompt's PCM"):

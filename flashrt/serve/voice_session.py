@@ -17,7 +17,7 @@ Protocol (OpenAI Realtime names where one fits):
      rate: 16000}}, output: {voice: NAME}}, instructions: system prompt, output_audio_transport:
      "base64" | "binary", options: {max_reply_tokens, temperature, top_k, top_p, seed,
      tts_temperature, tts_eos_threshold, tts_max_frames, sentence_max_tokens, endpointing_ms,
-     lead_ms}}} (every field optional; the beta's flat input_audio_format and voice are read
+     lead_ms, listen_lag_ms}}} (every field optional; the beta's flat input_audio_format and voice are read
      too; other fields are ignored). The voice is one of GET /v1/audio/voices (the key's own
      included). Anything else first, a wrong rate or format, an unknown voice or a bad option:
      an error event naming it, then the socket is closed (1008). Options are fixed from here.

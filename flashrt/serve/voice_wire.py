@@ -28,6 +28,7 @@ TUNABLE = {
     "seed": (int, 0, (1 << 63) - 1), "tts_temperature": (float, 0.0, 10.0),
     "tts_eos_threshold": (float, -1e3, 1e3), "tts_max_frames": (int, 1, 100_000),
     "endpointing_ms": (float, 0.0, 10_000.0), "lead_ms": (float, 1.0, 60_000.0),
+    "listen_lag_ms": (float, 1.0, 60_000.0),
 }
 TRANSPORTS = ("base64", "binary")
 

@@ -269,14 +269,18 @@ class VoiceAgent:
         return IncrementalSpeaker(self.synth, voice, self._tts_tokenize, self._rule, o.tts_max_frames,
                                   **o.tts_knobs(self.turns))
 
-    def _pump(self, t: _Turn, out: list, pending: bool = False) -> None:
-        """Make the reply: while pending, up to its first audio; then lead_ms ahead of playback."""
-        r, lead = t.reply, self.options.lead_ms
+    def _pump(self, t: _Turn, out: list, pending: bool = False, arrival: float = math.inf) -> None:
+        """Make the reply: while pending, up to its first audio; then lead_ms ahead of playback,
+        step by step while the agent is within listen_lag_ms of the microphone (arrival: the
+        newest audio's stream seconds), so speech over the reply is heard when it comes."""
+        r, lead, lag = t.reply, self.options.lead_ms, self.options.listen_lag_ms
         while not r.done:
             if pending and r.samples:
                 return
             if not pending and lead is not None and \
                     r.samples - self._played >= lead * self.synth.sample_rate / 1000:
+                return
+            if not pending and lag is not None and r.samples and self._now() - arrival > lag / 1000:
                 return
             out.extend(r.step())
 
@@ -295,7 +299,7 @@ class VoiceAgent:
                 self._start_reply(t)
             out.extend(t.held)
             t.held = []
-        self._pump(t, out)
+        self._pump(t, out, arrival=arrival)
         if t.reply.done and not t.reported:
             t.reported = True
             out.append(TurnDone(self._timings(t), t.reply.content, interrupted=False))

@@ -24,6 +24,8 @@ class VoiceOptions:
     endpointing_ms: float = 0.0       # silence after the VAD's end before the reply plays; the
                                       # reply is prepared preemptively meanwhile
     lead_ms: float | None = 1500.0    # reply audio made ahead of what was played (None: all at once)
+    listen_lag_ms: float | None = 100.0   # past its first audio, the reply waits while the agent is
+                                      # this far behind the microphone (None: it never waits)
     without_capsules: bool = False
 
     def __post_init__(self):
@@ -43,8 +45,11 @@ class VoiceOptions:
                 bad(name, "a finite number >= 0")
         if not 0.0 < self.top_p <= 1.0:
             bad("top_p", "a value in (0, 1]")
-        if self.lead_ms is not None and not (isinstance(self.lead_ms, (int, float)) and self.lead_ms > 0):
-            bad("lead_ms", "None or a number of ms > 0")
+        for name in ("lead_ms", "listen_lag_ms"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))
+                                  or not math.isfinite(v) or v <= 0):
+                bad(name, "None or a finite number of ms > 0")
         if not isinstance(self.template_kwargs, dict):
             bad("template_kwargs", "a dict of chat template variables")
         if self.system_prompt is not None and not isinstance(self.system_prompt, str):

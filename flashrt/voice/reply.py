@@ -37,11 +37,19 @@ class Reply:
         self.content_after: list[int] = []     # len(content) once token i was read
         self.frames = self.samples = 0         # audio made
         self.done = False                      # every token sampled and every sentence spoken
+        self._audio = None                     # the speaker's frames not yet made (one per step)
+        self._ending = False                   # the text ended: done once _audio runs out
         self.marks: dict[str, float] = {}      # stage -> turn clock (first_token, ...)
 
     def step(self) -> list:
-        """One token and the audio of any sentence it completes: ReplyText / ReplyAudio events."""
+        """One audio frame of a sentence being spoken, else one token (ReplyText; a sentence it
+        completes starts speaking): a step is short, so the caller can listen between steps."""
         if self.done:
+            return []
+        if self._audio is not None:
+            return self._frame()
+        if self._ending:
+            self.done = True
             return []
         lm, o = self.lm, self.options
         tok = None
@@ -60,8 +68,10 @@ class Reply:
         out = self._content(self.parser.feed(self.detok.finish()) + self.parser.finish())
         if self.content_after:
             self.content_after[-1] = len(self.content)
+        self._ending = True
         if self.speaker is not None:
-            out += self._speak(self.speaker.flush())
+            self._audio = self.speaker.flush()
+            return out + self._frame()
         self.done = True
         return out
 
@@ -72,19 +82,21 @@ class Reply:
         self.content += text
         if self.speaker is None:
             self.speaker = self._make_speaker()
-        return [ReplyText(text), *self._speak(self.speaker.feed(text))]
+        self._audio = self.speaker.feed(text)
+        return [ReplyText(text), *self._frame()]
 
-    def _speak(self, frames) -> list:
-        out = []
-        while True:
-            t0 = self._now()
-            pcm = next(frames, None)
-            if pcm is None:
-                return out
-            self.marks.setdefault("first_sentence", t0)
-            self.marks.setdefault("first_audio", self._now())
-            out.append(ReplyAudio(pcm, self.frames))
-            self.frames, self.samples = self.frames + 1, self.samples + pcm.numel()
+    def _frame(self) -> list:
+        """The next frame of the speaker's pending sentences ([] when they are all spoken)."""
+        t0 = self._now()
+        pcm = next(self._audio, None)
+        if pcm is None:
+            self._audio = None
+            self.done = self._ending
+            return []
+        self.marks.setdefault("first_sentence", t0)
+        self.marks.setdefault("first_audio", self._now())
+        self.frames, self.samples = self.frames + 1, self.samples + pcm.numel()
+        return [ReplyAudio(pcm, self.frames - 1)]
 
     # ---- what was heard ------------------------------------------------------------------
     def kept(self, chars: int) -> int:
