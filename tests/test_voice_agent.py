@@ -233,6 +233,43 @@ def test_speech_over_a_slow_reply_is_heard_when_it_comes(make_agent, parts, monk
     print(vad_ms)
 
 
+def test_a_prepared_reply_is_released_without_waiting_for_the_recognizer(make_agent, parts, monkeypatch):
+    """The endpointing window's audio is silence to the VAD: the recognizer takes it after the
+    release (it still takes all of it, in order). Turn clock: a reply step costs 0.25 s, the
+    recognizer 0.5 s per second of audio; the first audio (made with the first sentence, the
+    window long past) is out at once, not once the recognizer caught up with the window."""
+    import flashrt.voice.agent as agent_mod
+    from flashrt.voice.reply import Reply
+    clock = [0.0]
+    monkeypatch.setattr(agent_mod, "time", type("FakeTime", (), {"perf_counter": staticmethod(lambda: clock[0])}))
+    step = Reply.step
+    monkeypatch.setattr(Reply, "step", lambda self: (clock.__setitem__(0, clock[0] + 0.25), step(self))[1])
+    byte_tok = parts["synth"].tokenizer
+
+    class FullStops:
+        kind = "full-stops"
+        encode = staticmethod(lambda text: [ord(".") if i % 4 == 3 else b for i, b in enumerate(text.encode())])
+        decode = staticmethod(byte_tok.decode)
+    monkeypatch.setattr(parts["synth"], "tokenizer", FullStops())
+    agent = make_agent(tts_max_frames=4, endpointing_ms=400.0)
+    push = agent.transcriber.push
+    took = []
+
+    def slow_push(x, *args):
+        took.append(x.clone())
+        clock[0] += 0.5 * x.numel() / 16000
+        return push(x, *args)
+    monkeypatch.setattr(agent.transcriber, "push", slow_push)
+    pcm = torch.cat([read_wav("two_utterances"), silence(30.0)])
+    ev = drive(agent, pcm, report=all_played)
+    done = of(ev, TurnDone)
+    assert len(done) == 2
+    for d in done:
+        split = d.timings.split()
+        assert split["first_audio"] <= 1, split            # 206-208 ms with the recognizer first
+    assert torch.equal(torch.cat(took), pcm.float()[: sum(x.numel() for x in took)] / 32768)
+
+
 def _model_matches_fresh(agent, runtime, history):
     assert agent.lm.tokens[: len(history)] == history
     if agent.lm.position > len(history):

@@ -13,7 +13,9 @@ language model rolls back to the tokens of that text (recurrent state included),
 conversation holds exactly what the user heard; the next turn appends to it.
 
 Audio is processed in pieces on the VAD's chunk grid, so turn boundaries and timings do not
-depend on how the caller splits its pushes. Playback: without played() reports the speaker is
+depend on how the caller splits its pushes. Scheduling, on one thread: a prepared reply is
+released as soon as the VAD allows (the recognizer takes silence in the endpointing window after
+it), and past its first audio the reply waits while the agent lags the microphone. Playback: without played() reports the speaker is
 taken to play the reply in real time with the input (an underrun waits for audio); after the
 first report the caller's figures are used.
 """
@@ -111,6 +113,7 @@ class VoiceAgent:
         self.turns = 0                         # turns closed
         self._turn: _Turn | None = None
         self._heard: list[tuple[int, int]] = []    # the user's turn so far: (token, frame)
+        self._backlog: list[torch.Tensor] = []    # audio the recognizer has not taken yet
         self._turn_frame = 0                   # recognizer frame the user's turn starts at
         self._user_text = Detokenizer(transcriber.tokenizer.decode)
         self._waiting = None                   # without capsules: (origin, end sample, marks)
@@ -176,14 +179,26 @@ class VoiceAgent:
         if not self._reports and t is not None and t.committed:     # real-time playback
             self._played += x.numel() * self.synth.sample_rate / self.sample_rate
         res = self.vad.push(x)
-        self._partial(self.transcriber.push(x), out)
+        self._backlog.append(x)
+        if t is None or t.committed or res.events or self.vad.speaking or self._waiting is not None:
+            self._listen(out)
         for ev in res.events:
             (self._on_start if isinstance(ev, SpeechStart) else self._on_end)(ev, arrival, out)
         if self._waiting is not None:
             self._lookahead_done(out)
         voiced = res.probs.numel() > 0 and float(res.probs.max()) >= self.vad.rules.threshold
         self._tick(arrival, voiced, out)
+        if self._turn is None or self._turn.committed or self._waiting is not None:
+            self._listen(out)
         self._clock = self._now()
+
+    def _listen(self, out: list) -> None:
+        """The recognizer takes the audio held back: while a prepared reply waits for its release
+        and the VAD hears silence, only the VAD runs, so the release is not kept waiting."""
+        if self._backlog:
+            x = self._backlog[0] if len(self._backlog) == 1 else torch.cat(self._backlog)
+            self._backlog = []
+            self._partial(self.transcriber.push(x), out)
 
     # ---- the user's side ------------------------------------------------------------------------
     def _partial(self, tr, out: list) -> None:
