@@ -19,6 +19,8 @@ from flashrt.capsules.types import FINGERPRINT_KEYS, Capsule, CapsuleMeta, Entry
 
 _MAX_TABLES = 64      # plan tables kept per arena (one per position snapshotted fresh)
 _MAX_PLANS = 8        # plans kept per capsule buffer
+_MAX_CHAINS = 16      # delta chains' checked tables per arena, least recently used out (apart
+                      # from _tables, which snapshots at many positions clear)
 
 
 def plan_entries(arena: Arena, position: int, row0: int = 0) -> tuple[list[Entry], int]:
@@ -95,6 +97,7 @@ class Copier:
         # address tables per entry table, moved onto each new buffer of that layout (a fresh
         # snapshot is a new buffer each time, so a per-capsule plan cannot serve it)
         self._tables: dict = {}
+        self._chains: dict = {}
 
     def _keep(self, key, table) -> None:
         if len(self._tables) >= _MAX_TABLES:
@@ -218,16 +221,20 @@ class Copier:
         if not all(type(c.meta.fingerprint) is ReadOnlyDict for c in chain):
             return                              # an editable fingerprint: check it every time
         links = tuple((weakref.ref(c.data), c.entries, c.meta) for c in chain)
-        self._keep(("chain", kinds, tuple(c.id for c in chain)),
-                   (links, fingerprint, max_seq_len, seg.src, seg.dst, seg.nbytes, seg.device))
+        if len(self._chains) >= _MAX_CHAINS:
+            del self._chains[next(iter(self._chains))]
+        self._chains[(kinds, tuple(c.id for c in chain))] = (
+            links, fingerprint, max_seq_len, seg.src, seg.dst, seg.nbytes, seg.device)
 
     def _chain_hit(self, chain, fingerprint, max_seq_len, kinds) -> SegmentPlan | None:
-        t = self._tables.get(("chain", kinds, tuple(c.id for c in chain)))
+        key = (kinds, tuple(c.id for c in chain))
+        t = self._chains.get(key)
         if t is None or t[1] is not fingerprint or t[2] != max_seq_len:
             return None
         for (ref, entries, meta), c in zip(t[0], chain):
             if ref() is not c.data or c.entries is not entries or c.meta is not meta:
                 return None
+        self._chains[key] = self._chains.pop(key)          # most recently used
         return SegmentPlan.from_table(t[3], t[4], t[5], t[6], tuple(c.data for c in chain))
 
     def _plan(self, cap: Capsule, kinds: frozenset, chain) -> SegmentPlan:
