@@ -270,6 +270,38 @@ def test_a_prepared_reply_is_released_without_waiting_for_the_recognizer(make_ag
     assert torch.equal(torch.cat(took), pcm.float()[: sum(x.numel() for x in took)] / 32768)
 
 
+def test_without_capsules_barge_in_keeps_text_given_to_the_synthesizer(make_agent, parts, monkeypatch):
+    """The baseline's barge-in keeps what was played in proportion to the audio made, of the
+    text the synthesizer was given: tokens decoded past the last sentence were never spoken.
+    A reply made slower than real time (turn clock: 0.25 s a step), all of its audio played."""
+    import flashrt.voice.agent as agent_mod
+    from flashrt.voice.reply import Reply
+    clock = [0.0]
+    monkeypatch.setattr(agent_mod, "time", type("FakeTime", (), {"perf_counter": staticmethod(lambda: clock[0])}))
+    step = Reply.step
+    monkeypatch.setattr(Reply, "step", lambda self: (clock.__setitem__(0, clock[0] + 0.25), step(self))[1])
+    byte_tok = parts["synth"].tokenizer
+
+    class FullStops:
+        kind = "full-stops"
+        encode = staticmethod(lambda text: [ord(".") if i % 4 == 3 else b for i, b in enumerate(text.encode())])
+        decode = staticmethod(byte_tok.decode)
+    monkeypatch.setattr(parts["synth"], "tokenizer", FullStops())
+    agent = make_agent(without_capsules=True, max_reply_tokens=16, tts_max_frames=4)
+    said = []
+    say = agent.synth.say
+    monkeypatch.setattr(agent.synth, "say", lambda ids, chars=0, max_frames=None: (
+        said.append(chars), say(ids, chars, max_frames))[1])
+    pcm = torch.cat([read_wav("voice_weather"), silence(1.0), read_wav("voice_interrupt"), silence(3.0)])
+    ev, i = [], 0
+    while not of(ev, BargeIn):
+        ev += agent.push(pcm[i: i + 800])
+        agent.played(1 << 40)
+        i += 800
+    barge, content = of(ev, BargeIn)[0], of(ev, TurnDone)[0].text
+    assert content.startswith(barge.heard_text) and 0 < len(barge.heard_text) <= sum(said) < len(content)
+
+
 def _model_matches_fresh(agent, runtime, history):
     assert agent.lm.tokens[: len(history)] == history
     if agent.lm.position > len(history):

@@ -459,6 +459,11 @@ class IncrementalSpeaker:
         self._queue.extend(self._complete(final=True))
         return self._drain()
 
+    @property
+    def given_chars(self) -> int:
+        """Characters of `text` cut into sentences so far (the rest waits for a sentence end)."""
+        return self._cut
+
     def rollback_to_played(self, samples: int) -> int:
         """Barge-in: Synthesizer.rollback_to_played; queued sentences are dropped and the reply
         ends here. Returns the characters of `text` delivered."""

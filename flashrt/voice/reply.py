@@ -112,6 +112,8 @@ class Reply:
         return self.lm.tokenizer.decode(self.tokens[:k]) if k else ""
 
     def estimate_chars(self, played: int) -> int:
-        """Content played, in proportion to the audio played: what a framework without the
-        synthesizer's accounting keeps (its sentence timing unknown)."""
-        return len(self.content) * min(played, self.samples) // max(self.samples, 1)
+        """Content played, in proportion to the audio played, of the text the synthesizer was
+        given: what a framework without the synthesizer's accounting keeps (its sentence timing
+        unknown; text past the last sentence end was never spoken)."""
+        given = self.speaker.given_chars if self.speaker is not None else 0
+        return given * min(played, self.samples) // max(self.samples, 1)
