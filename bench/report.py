@@ -34,6 +34,7 @@ HEADLINE = {
     "capsules": ("", (0, 2, 3, 4, 5, 6)),             # state, plain copy, snapshot(into), restore
     "serve": ("", (0, 2, 3, 6, 7, 8, 9)),             # turn, cached, flashrt, re-prefill, llama-cpp
     "agent": ("", (0, 1, 2, 3)),                      # the acceptance table: criterion .. met
+    "voice": ("", (0, 1, 2, 3)),                      # the acceptance table: line .. holds
 }
 
 
