@@ -192,30 +192,35 @@ def test_barge_in_rolls_back_synthesizer_and_model_to_what_was_played(make_agent
     _model_matches_fresh(agent, runtime, conv)
 
 
-@pytest.mark.parametrize("lag_ms", [100.0, None])
-def test_speech_over_a_slow_reply_is_heard_when_it_comes(make_agent, parts, monkeypatch, lag_ms):
-    """A reply made slower than real time (a turn clock where each reply step costs 0.25 s and
-    nothing else costs time) must not keep the agent from the microphone: past the first audio
-    it waits while over listen_lag_ms behind, so the turn spoken over it ends its VAD stage
-    within one step and the lag of the reference run, where steps cost nothing. None: the
-    whole reply is made at its release and that turn waits for it."""
+@pytest.fixture
+def turn_clock(parts, monkeypatch):
+    """(clock, cost): the agent's turn clock reads clock[0], which only a reply step moves, by
+    cost[0] seconds; the synthesizer reads every 4th byte as a full stop (random text has no
+    sentence end)."""
     import flashrt.voice.agent as agent_mod
     from flashrt.voice.reply import Reply
     clock, cost = [0.0], [0.0]
     monkeypatch.setattr(agent_mod, "time", type("FakeTime", (), {"perf_counter": staticmethod(lambda: clock[0])}))
     step = Reply.step
-
-    def slow(self):
-        clock[0] += cost[0]
-        return step(self)
-    monkeypatch.setattr(Reply, "step", slow)
-    byte_tok = parts["synth"].tokenizer           # random text has no sentence end: make some
+    monkeypatch.setattr(Reply, "step", lambda self: (clock.__setitem__(0, clock[0] + cost[0]), step(self))[1])
+    byte_tok = parts["synth"].tokenizer
 
     class FullStops:
         kind = "full-stops"
         encode = staticmethod(lambda text: [ord(".") if i % 4 == 3 else b for i, b in enumerate(text.encode())])
         decode = staticmethod(byte_tok.decode)
     monkeypatch.setattr(parts["synth"], "tokenizer", FullStops())
+    return clock, cost
+
+
+@pytest.mark.parametrize("lag_ms", [100.0, None])
+def test_speech_over_a_slow_reply_is_heard_when_it_comes(make_agent, turn_clock, lag_ms):
+    """A reply made slower than real time (a turn clock where each reply step costs 0.25 s and
+    nothing else costs time) must not keep the agent from the microphone: past the first audio
+    it waits while over listen_lag_ms behind, so the turn spoken over it ends its VAD stage
+    within one step and the lag of the reference run, where steps cost nothing. None: the
+    whole reply is made at its release and that turn waits for it."""
+    clock, cost = turn_clock
     pcm = torch.cat([read_wav("voice_weather"), silence(1.0), read_wav("voice_interrupt"), silence(20.0)])
     vad_ms = []
     for c in (0.0, 0.25):
@@ -233,24 +238,13 @@ def test_speech_over_a_slow_reply_is_heard_when_it_comes(make_agent, parts, monk
     print(vad_ms)
 
 
-def test_a_prepared_reply_is_released_without_waiting_for_the_recognizer(make_agent, parts, monkeypatch):
+def test_a_prepared_reply_is_released_without_waiting_for_the_recognizer(make_agent, turn_clock, monkeypatch):
     """The endpointing window's audio is silence to the VAD: the recognizer takes it after the
     release (it still takes all of it, in order). Turn clock: a reply step costs 0.25 s, the
     recognizer 0.5 s per second of audio; the first audio (made with the first sentence, the
     window long past) is out at once, not once the recognizer caught up with the window."""
-    import flashrt.voice.agent as agent_mod
-    from flashrt.voice.reply import Reply
-    clock = [0.0]
-    monkeypatch.setattr(agent_mod, "time", type("FakeTime", (), {"perf_counter": staticmethod(lambda: clock[0])}))
-    step = Reply.step
-    monkeypatch.setattr(Reply, "step", lambda self: (clock.__setitem__(0, clock[0] + 0.25), step(self))[1])
-    byte_tok = parts["synth"].tokenizer
-
-    class FullStops:
-        kind = "full-stops"
-        encode = staticmethod(lambda text: [ord(".") if i % 4 == 3 else b for i, b in enumerate(text.encode())])
-        decode = staticmethod(byte_tok.decode)
-    monkeypatch.setattr(parts["synth"], "tokenizer", FullStops())
+    clock, cost = turn_clock
+    cost[0] = 0.25
     agent = make_agent(tts_max_frames=4, endpointing_ms=400.0)
     push = agent.transcriber.push
     took = []
@@ -270,23 +264,12 @@ def test_a_prepared_reply_is_released_without_waiting_for_the_recognizer(make_ag
     assert torch.equal(torch.cat(took), pcm.float()[: sum(x.numel() for x in took)] / 32768)
 
 
-def test_without_capsules_barge_in_keeps_text_given_to_the_synthesizer(make_agent, parts, monkeypatch):
+def test_without_capsules_barge_in_keeps_text_given_to_the_synthesizer(make_agent, turn_clock, monkeypatch):
     """The baseline's barge-in keeps what was played in proportion to the audio made, of the
     text the synthesizer was given: tokens decoded past the last sentence were never spoken.
     A reply made slower than real time (turn clock: 0.25 s a step), all of its audio played."""
-    import flashrt.voice.agent as agent_mod
-    from flashrt.voice.reply import Reply
-    clock = [0.0]
-    monkeypatch.setattr(agent_mod, "time", type("FakeTime", (), {"perf_counter": staticmethod(lambda: clock[0])}))
-    step = Reply.step
-    monkeypatch.setattr(Reply, "step", lambda self: (clock.__setitem__(0, clock[0] + 0.25), step(self))[1])
-    byte_tok = parts["synth"].tokenizer
-
-    class FullStops:
-        kind = "full-stops"
-        encode = staticmethod(lambda text: [ord(".") if i % 4 == 3 else b for i, b in enumerate(text.encode())])
-        decode = staticmethod(byte_tok.decode)
-    monkeypatch.setattr(parts["synth"], "tokenizer", FullStops())
+    clock, cost = turn_clock
+    cost[0] = 0.25
     agent = make_agent(without_capsules=True, max_reply_tokens=16, tts_max_frames=4)
     said = []
     say = agent.synth.say
