@@ -30,7 +30,8 @@ from flashrt.voice import (BargeIn, FinalTranscript, ReplyAudio, ReplyText, Spee
 DATA = Path(__file__).resolve().parent / "data" / "speech"
 ARCH = "qwen3_5" if "qwen3_5" in HYBRID else HYBRID[0]      # recurrent state: rollback must carry it
 TOL = 1e-4
-FAST = dict(max_reply_tokens=16, tts_max_frames=6, lead_ms=None)
+# listen_lag_ms=None: replies are made on the audio clock alone, so runs compare event for event
+FAST = dict(max_reply_tokens=16, tts_max_frames=6, lead_ms=None, listen_lag_ms=None)
 
 
 def read_wav(name: str) -> torch.Tensor:
@@ -270,7 +271,7 @@ def test_without_capsules_barge_in_keeps_text_given_to_the_synthesizer(make_agen
     A reply made slower than real time (turn clock: 0.25 s a step), all of its audio played."""
     clock, cost = turn_clock
     cost[0] = 0.25
-    agent = make_agent(without_capsules=True, max_reply_tokens=16, tts_max_frames=4)
+    agent = make_agent(without_capsules=True, max_reply_tokens=16, tts_max_frames=4, listen_lag_ms=100.0)
     said = []
     say = agent.synth.say
     monkeypatch.setattr(agent.synth, "say", lambda ids, chars=0, max_frames=None: (
