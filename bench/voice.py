@@ -366,7 +366,8 @@ def run_all(a, parts, system: str) -> dict:
         for mode, baseline in (MODES if r % 2 == 0 else MODES[::-1]):
             o = VoiceOptions(system_prompt=system, max_reply_tokens=a.max_reply_tokens,
                              tts_max_frames=a.tts_max_frames, tts_eos_threshold=1e9,
-                             endpointing_ms=a.endpointing_ms, without_capsules=baseline, seed=r)
+                             endpointing_ms=a.endpointing_ms, without_capsules=baseline, seed=r,
+                             listen_lag_ms=100.0)
             voice = parts["voice_pcm"] if baseline else parts["voice"]
             agent = VoiceAgent(parts["lm"], parts["tr"], parts["vad"], parts["synth"], voice, o)
             t0 = time.perf_counter()

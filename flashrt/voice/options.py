@@ -24,8 +24,8 @@ class VoiceOptions:
     endpointing_ms: float = 0.0       # silence after the VAD's end before the reply plays; the
                                       # reply is prepared preemptively meanwhile
     lead_ms: float | None = 1500.0    # reply audio made ahead of what was played (None: all at once)
-    listen_lag_ms: float | None = 100.0   # past its first audio, the reply waits while the agent is
-                                      # this far behind the microphone (None: it never waits)
+    listen_lag_ms: float | None = None    # past its first audio, the reply waits while the agent is
+                                      # this far behind the microphone (None: it never waits; 100 suits)
     without_capsules: bool = False
 
     def __post_init__(self):
