@@ -40,6 +40,10 @@ from bench.gguf import gguf_path  # noqa: E402
 
 LLAMA_TYPE = {"float32": "float32", "bfloat16": "bfloat16", "int8": "q8_0"}   # bench/gguf.py --dtype
 LLAMA_KV = {"float32": "float32", "bfloat16": "bfloat16", "int8": "float32"}    # KV like flashrt's
+# llama.cpp's extra buffer types (weight repacking; on AMX CPUs its AMX int8 path) per format: its
+# AMX Q8_0 matmul died in ldtilecfg (SIGSEGV, general protection fault) on this project's Sapphire
+# Rapids VM, so Q8_0 runs --no-repack: ggml's AVX-512 VNNI dot products
+LLAMA_EXTRA_BUFTS = {"float32": True, "bfloat16": True, "int8": False}
 ACCEPT_POS, ACCEPT_LOSS, ACCEPT_AGREE = 512, 0.01, 0.95      # the acceptance lines
 SYSTEMS = ("flashrt", "llama.cpp", "transformers")
 
@@ -104,7 +108,7 @@ class Llama:
 
         from bench.ttft import LlamaPath
         self.lp = LlamaPath(str(gguf), max(a.positions) + a.steps + 8, torch.get_num_threads(),
-                            LLAMA_KV[fmt])
+                            LLAMA_KV[fmt], extra_bufts=LLAMA_EXTRA_BUFTS[fmt])
         lib, ct, self.states = self.lp.lib, self.lp.ctypes, {}
         for P in a.positions:
             self.lp.cold(ids[:P])
@@ -315,11 +319,13 @@ def tables(a, runs, q, bw, load_note) -> list:
     t.notes += [f"{name}: {r['dtype']} activations, {r['weights']} weights (flashrt linear kernel "
                 f"{r['linear_kernel']}); llama.cpp {LLAMA_TYPE[name]} GGUF"
                 + (f" ({C.fmt_bytes(r['gguf_bytes'])})" if r.get("gguf_bytes") else "")
-                + f", KV {LLAMA_KV[name]}" for name, r in fmts.items()]
+                + f", KV {LLAMA_KV[name]}" + ("" if LLAMA_EXTRA_BUFTS[name] else ", --no-repack (its "
+                                              "AMX int8 path faults on this VM)")
+                for name, r in fmts.items()]
     if "int8" in fmts:
         t.notes.append("int8: per-row symmetric int8 projections and tied head (flashrt.nn.linear."
-                       "quantize_int8); a step's matmuls run torch's int8 weight-only kernel on the "
-                       "activations rounded to bf16 (its vectorized form), the rest in float32")
+                       "quantize_int8); a decode step's matmuls run the extension's small-M kernel "
+                       "(int8 widened to float32 in registers, float32 activations), the rest in float32")
     skipped = {}                              # (system, why) -> the formats it holds for
     for r in runs:
         for s, why in r["notes"].items():

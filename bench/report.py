@@ -35,6 +35,7 @@ HEADLINE = {
     "serve": ("", (0, 2, 3, 6, 7, 8, 9)),             # turn, cached, flashrt, re-prefill, llama-cpp
     "agent": ("", (0, 1, 2, 3)),                      # the acceptance table: criterion .. met
     "voice": ("", (0, 1, 2, 3)),                      # the acceptance table: line .. holds
+    "decode": ("", (0, 1, 2, 3)),                     # the acceptance table: criterion .. met
 }
 
 

@@ -95,17 +95,30 @@ class LlamaPath:
 
     KV_TYPES = {"float32": 0, "float16": 1, "bfloat16": 30}     # GGML_TYPE_F32 / F16 / BF16
 
-    def __init__(self, gguf: str, n_ctx: int, threads: int, dtype: str):
+    def __init__(self, gguf: str, n_ctx: int, threads: int, dtype: str, extra_bufts: bool = True):
+        """extra_bufts=False: llama.cpp's --no-repack (llama_model_params.use_extra_bufts), which
+        llama-cpp-python's Llama() does not take: its default params are wrapped while it loads."""
         import ctypes
 
         import llama_cpp
+        import llama_cpp.llama_cpp as lib
         from llama_cpp import Llama
         self.lib, self.ctypes = llama_cpp, ctypes
         kv = self.KV_TYPES[dtype]
-        # n_batch 2048 / n_ubatch 512: llama.cpp's own CLI defaults
-        self.llm = Llama(model_path=gguf, n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
-                         n_batch=2048, n_ubatch=512, type_k=kv, type_v=kv, logits_all=False,
-                         verbose=False)
+        default = lib.llama_model_default_params
+
+        def params():
+            p = default()
+            p.use_extra_bufts = extra_bufts
+            return p
+        lib.llama_model_default_params = params
+        try:
+            # n_batch 2048 / n_ubatch 512: llama.cpp's own CLI defaults
+            self.llm = Llama(model_path=gguf, n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
+                             n_batch=2048, n_ubatch=512, type_k=kv, type_v=kv, logits_all=False,
+                             verbose=False)
+        finally:
+            lib.llama_model_default_params = default
         self.ctx = self.llm._ctx.ctx
         self.n_vocab = self.llm.n_vocab()
         self.buf, self.n_state, self.prefix = None, 0, []
