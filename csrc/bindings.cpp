@@ -43,6 +43,12 @@ PYBIND11_MODULE(_C, m) {
         py::arg("num_threads") = 0,
         "y (m, n) = (x (m, k) @ w (n, k).T) * scale (n,) at host addresses: x and y float32, w "
         "int8, scale bf16, contiguous; num_threads=0 uses OpenMP's thread count.");
+  m.def("gated_delta_rule", &flashrt::launch::gated_delta_rule, py::arg("qkv"), py::arg("qkv_stride"),
+        py::arg("q_off"), py::arg("k_off"), py::arg("v_off"), py::arg("g"), py::arg("beta"),
+        py::arg("state"), py::arg("out"), py::arg("planes"), py::arg("T"), py::arg("hk"),
+        py::arg("hv"), py::arg("dk"), py::arg("dv"), py::arg("num_threads") = 0,
+        "Gated DeltaNet's rule token by token at host addresses, float32: state (hv, dk, dv) "
+        "updated in place, out (T, hv, dv), planes (T, hv, dk, dv) or 0.");
 #endif
   m.def("small_m_linear_isa", &flashrt::launch::small_m_linear_isa,
         "'avx2-fma' where small_m_linear runs on this CPU, '' otherwise.");

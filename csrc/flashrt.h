@@ -41,6 +41,22 @@ void small_m_linear_bf16w(const float* x, const uint16_t* w, float* y, int64_t M
 void small_m_linear_int8w(const float* x, const int8_t* w, const uint16_t* scale, float* y,
                           int64_t M, int64_t N, int64_t K, int num_threads);
 
+// Gated DeltaNet's rule token by token (gdn_cpu.cpp; x86-64 AVX2 + FMA builds). qkv (T rows,
+// qkv_stride floats apart) holds q, k (hk heads of dk) and v (hv heads of dv) at q_off, k_off,
+// v_off; g (log decay) and beta (T, hv); state (hv, dk, dv) updated in place; out (T, hv, dv);
+// planes (T, hv, dk, dv) or null: the state after each token. All float32, contiguous.
+struct GdnArgs {
+  const float* qkv;
+  int64_t qkv_stride, q_off, k_off, v_off;
+  const float* g;
+  const float* beta;
+  float* state;
+  float* out;
+  float* planes;
+  int64_t T, hk, hv, dk, dv;
+};
+void gated_delta_rule_cpu(const GdnArgs& args, int num_threads);
+
 // Whether this process was forked after the module loaded (libgomp's threads are then gone:
 // parallel regions must not run; see segcopy_cpu.cpp).
 bool forked_after_load();

@@ -98,6 +98,33 @@ void small_m_linear_int8(std::uintptr_t x, std::uintptr_t w, std::uintptr_t scal
                                 reinterpret_cast<const uint16_t*>(scale), reinterpret_cast<float*>(y),
                                 m, n, k, num_threads);
 }
+
+void gated_delta_rule(std::uintptr_t qkv, int64_t qkv_stride, int64_t q_off, int64_t k_off,
+                      int64_t v_off, std::uintptr_t g, std::uintptr_t beta, std::uintptr_t state,
+                      std::uintptr_t out, std::uintptr_t planes, int64_t T, int64_t hk, int64_t hv,
+                      int64_t dk, int64_t dv, int num_threads) {
+  if (small_m_linear_isa().empty())
+    throw std::runtime_error("gated_delta_rule needs AVX2 and FMA, which this CPU lacks");
+  if (T <= 0 || hk <= 0 || hv <= 0 || hv % hk != 0)
+    throw std::invalid_argument("gated_delta_rule: T, hk, hv must be positive with hv a multiple of hk, got " +
+                                std::to_string(T) + ", " + std::to_string(hk) + ", " + std::to_string(hv));
+  if (dk <= 0 || dv <= 0 || dk > 512 || dv > 512)
+    throw std::invalid_argument("gated_delta_rule: head dims must be in 1..512, got dk " +
+                                std::to_string(dk) + ", dv " + std::to_string(dv));
+  if (q_off < 0 || k_off < 0 || v_off < 0 || q_off + hk * dk > qkv_stride ||
+      k_off + hk * dk > qkv_stride || v_off + hv * dv > qkv_stride)
+    throw std::invalid_argument("gated_delta_rule: q, k, v do not fit a qkv row of " +
+                                std::to_string(qkv_stride) + " floats");
+  if (qkv == 0 || g == 0 || beta == 0 || state == 0 || out == 0)
+    throw std::invalid_argument("gated_delta_rule: null address");
+  if (num_threads < 0) throw std::invalid_argument("num_threads must be >= 0 (0 = all cores)");
+  const GdnArgs a{reinterpret_cast<const float*>(qkv), qkv_stride, q_off, k_off, v_off,
+                  reinterpret_cast<const float*>(g), reinterpret_cast<const float*>(beta),
+                  reinterpret_cast<float*>(state), reinterpret_cast<float*>(out),
+                  reinterpret_cast<float*>(planes), T, hk, hv, dk, dv};
+  py::gil_scoped_release nogil;  // the caller holds the tensors
+  gated_delta_rule_cpu(a, num_threads);
+}
 #else
 std::string small_m_linear_isa() { return ""; }
 #endif

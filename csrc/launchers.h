@@ -43,6 +43,12 @@ void small_m_linear(std::uintptr_t x, std::uintptr_t w, std::uintptr_t y, int64_
 // The same for int8 weights w (n, k) with a bf16 scale per row (n,): y = (x w^T) * scale.
 void small_m_linear_int8(std::uintptr_t x, std::uintptr_t w, std::uintptr_t scale, std::uintptr_t y,
                          int64_t m, int64_t n, int64_t k, int num_threads);
+// Gated DeltaNet's rule token by token at host addresses (flashrt::GdnArgs; float32, contiguous;
+// the Python wrapper checks the tensors). planes 0: none.
+void gated_delta_rule(std::uintptr_t qkv, int64_t qkv_stride, int64_t q_off, int64_t k_off,
+                      int64_t v_off, std::uintptr_t g, std::uintptr_t beta, std::uintptr_t state,
+                      std::uintptr_t out, std::uintptr_t planes, int64_t T, int64_t hk, int64_t hv,
+                      int64_t dk, int64_t dv, int num_threads);
 #endif
 std::string small_m_linear_isa();
 // The weight dtypes small_m_linear takes (a build from older sources lacks this name).

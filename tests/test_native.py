@@ -123,6 +123,98 @@ def test_small_m_linear_refuses_bad_arguments():
         native._C.small_m_linear(0, w.data_ptr(), x.data_ptr(), 4, 6, 8)
 
 
+# --------------------------------------------------------------------------- Gated DeltaNet rule
+
+needs_gdn = pytest.mark.skipif(not native.GDN_RULE, reason="the GDN rule kernel needs the extension "
+                               "on x86-64 AVX2 + FMA")
+
+
+def _gdn_inputs(T, hk, hv, dk, dv, seed):
+    g = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(T, 2 * hk * dk + hv * dv, generator=g)
+    decay, beta = -torch.rand(T, hv, generator=g) * 2, torch.rand(T, hv, generator=g)
+    return qkv, decay, beta, torch.randn(hv, dk, dv, generator=g) * 0.3
+
+
+def _gdn_reference(qkv, heads, decay, beta, state):
+    """The rule as written (transformers' torch_recurrent_gated_delta_rule), in float64."""
+    hk, hv, dk, dv = heads
+    S, outs, planes = state.double().clone(), [], []
+    for t in range(qkv.shape[0]):
+        q, k, v = qkv[t].double().split([hk * dk, hk * dk, hv * dv])
+        q, k = (x.view(hk, dk).repeat_interleave(hv // hk, 0) for x in (q, k))
+        q, k = q / (q.pow(2).sum(-1, keepdim=True) + 1e-6).sqrt() * dk ** -0.5, k / (k.pow(2).sum(-1, keepdim=True) + 1e-6).sqrt()
+        S = S * decay[t].double().exp()[:, None, None]
+        delta = (v.view(hv, dv) - torch.einsum("hi,hij->hj", k, S)) * beta[t].double()[:, None]
+        S = S + k[:, :, None] * delta[:, None, :]
+        outs.append(torch.einsum("hi,hij->hj", q, S))
+        planes.append(S.clone())
+    return torch.stack(outs).float(), S.float(), torch.stack(planes).float()
+
+
+@needs_gdn
+@pytest.mark.parametrize("T, hk, hv, dk, dv", [(1, 16, 16, 128, 128), (1, 2, 4, 16, 8),
+                                               (5, 4, 8, 32, 64), (3, 1, 3, 7, 5)])
+def test_gated_delta_rule_matches_a_double_reference(T, hk, hv, dk, dv):
+    """Shared k heads (hv a multiple of hk), odd head dims, T tokens with the state after each;
+    1 or 2 threads give the same bits (threads split heads)."""
+    heads = (hk, hv, dk, dv)
+    qkv, decay, beta, state = _gdn_inputs(T, hk, hv, dk, dv, seed=T * 100 + dk)
+    ref_out, ref_state, ref_planes = _gdn_reference(qkv, heads, decay, beta, state)
+    s, planes = state.clone(), torch.full((T, hv, dk, dv), float("nan"))
+    out = native.gated_delta_rule(qkv, heads, decay, beta, s, planes)
+    torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(s, ref_state, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(planes, ref_planes, rtol=1e-5, atol=1e-5)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        s1 = state.clone()
+        one = native.gated_delta_rule(qkv, heads, decay, beta, s1)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, out) and torch.equal(s1, s)
+
+
+@needs_gdn
+def test_gated_delta_rule_tokens_in_one_call_equal_tokens_one_by_one():
+    """A verify step (T tokens, planes) and T decode steps take the same path: the same bits, so
+    a speculative round's accepted prefix is the state plain decoding reaches."""
+    heads, T = (2, 4, 32, 16), 6
+    qkv, decay, beta, state = _gdn_inputs(T, *heads, seed=7)
+    s_all, planes = state.clone(), torch.empty(T, heads[1], heads[2], heads[3])
+    out_all = native.gated_delta_rule(qkv, heads, decay, beta, s_all, planes)
+    s_one = state.clone()
+    for t in range(T):
+        out = native.gated_delta_rule(qkv[t:t + 1].contiguous(), heads, decay[t:t + 1].contiguous(),
+                                      beta[t:t + 1].contiguous(), s_one)
+        assert torch.equal(out[0], out_all[t]) and torch.equal(s_one, planes[t])
+    assert torch.equal(s_one, s_all)
+
+
+@needs_gdn
+def test_gated_delta_rule_refuses_bad_arguments():
+    heads = (2, 4, 8, 8)
+    qkv, decay, beta, state = _gdn_inputs(2, *heads, seed=1)
+    before = state.clone()
+    for args, msg in [((qkv[:, :-1].contiguous(), heads, decay, beta, state), "qkv rows of"),
+                      ((qkv.double(), heads, decay, beta, state), "qkv must be"),
+                      ((qkv, heads, decay[:1].contiguous(), beta, state), "g of shape"),
+                      ((qkv, heads, decay, beta.bfloat16(), state), "beta must be"),
+                      ((qkv, heads, decay, beta, state[:3].contiguous()), "state of shape"),
+                      ((qkv, heads, decay, beta, state.transpose(1, 2)), "not contiguous"),
+                      ((qkv, heads, decay, beta, state, torch.empty(1, 4, 8, 8)), "planes of shape")]:
+        with pytest.raises(ValueError, match=msg):
+            native.gated_delta_rule(*args)
+    assert torch.equal(state, before)          # nothing ran
+    with pytest.raises(ValueError, match="multiple of hk"):
+        native._C.gated_delta_rule(qkv.data_ptr(), 48, 0, 16, 32, decay.data_ptr(), beta.data_ptr(),
+                                   state.data_ptr(), qkv.data_ptr(), 0, 2, 3, 4, 8, 8)
+    with pytest.raises(ValueError, match="do not fit"):
+        native._C.gated_delta_rule(qkv.data_ptr(), 40, 0, 16, 32, decay.data_ptr(), beta.data_ptr(),
+                                   state.data_ptr(), qkv.data_ptr(), 0, 2, 2, 4, 8, 8)
+
+
 def _int8_weight(n, k, g):
     """(q int8 (n, k), scale bf16 (n,), the float64 weights they stand for), any k."""
     w = torch.randn(n, k, generator=g) * torch.logspace(-2, 1, n)[:, None]

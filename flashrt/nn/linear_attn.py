@@ -8,6 +8,8 @@ torch_recurrent_gated_delta_rule (fp32 parity ~1e-6); the chunk rule solves both
 sides at once and updates the state in place. Optional CUDA kernels
 (flash-linear-attention, causal-conv1d) are used when `fast_kernels()` finds them;
 flash-linear-attention only for bf16/fp16 activations (`use_fla`): it asserts on float32.
+On the CPU the token-by-token rule runs the extension's kernel where it is built
+(native.GDN_RULE): every eager decode and verify step then takes that one path.
 """
 from __future__ import annotations
 
@@ -15,6 +17,8 @@ import functools
 
 import torch
 import torch.nn.functional as F
+
+from flashrt import native
 
 from .layers import depthwise_causal_conv
 
@@ -141,6 +145,14 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, state, fast: bool = False, plan
                       use_qk_l2norm_in_kernel=True)
         state.copy_(final[0])
         return o[0].to(dtype)
+    if native.GDN_RULE and state.device.type == "cpu" and not torch.compiler.is_compiling():
+        # q, k, v side by side in float32 (T, 2*hk*dk + hv*dv): a few KiB per token. Compiled
+        # bodies keep the torch form, which inductor fuses (the kernel is opaque to it)
+        qkv = torch.cat((q.reshape(T, -1), k.reshape(T, -1), v.reshape(T, -1)), 1).float()
+        heads = (k.shape[1], v.shape[1], k.shape[2], v.shape[2])
+        out = native.gated_delta_rule(qkv, heads, g.float().contiguous(), beta.float().contiguous(),
+                                      state, planes)
+        return out.to(dtype)
     q, k, v, beta, g = _prep(q, k, v, beta, g)                # (H, T, D), (H, T)
     out = torch.empty_like(v)
     for t in range(T):                                        # in place on the arena state
