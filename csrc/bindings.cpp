@@ -49,6 +49,11 @@ PYBIND11_MODULE(_C, m) {
         py::arg("hv"), py::arg("dk"), py::arg("dv"), py::arg("num_threads") = 0,
         "Gated DeltaNet's rule token by token at host addresses, float32: state (hv, dk, dv) "
         "updated in place, out (T, hv, dv), planes (T, hv, dk, dv) or 0.");
+  m.def("decode_attention", &flashrt::launch::decode_attention, py::arg("q"), py::arg("k"), py::arg("v"),
+        py::arg("out"), py::arg("L"), py::arg("hq"), py::arg("hkv"), py::arg("d"), py::arg("scale"),
+        py::arg("bf16_kv") = false, py::arg("num_threads") = 0,
+        "One query's attention at host addresses: out (hq, d) = softmax(scale q K^T) V per query "
+        "head over L rows of (hkv, d) float32 (bf16 where bf16_kv) K/V; q, out float32.");
 #endif
   m.def("small_m_linear_isa", &flashrt::launch::small_m_linear_isa,
         "'avx2-fma' where small_m_linear runs on this CPU, '' otherwise.");

@@ -57,6 +57,20 @@ struct GdnArgs {
 };
 void gated_delta_rule_cpu(const GdnArgs& args, int num_threads);
 
+// One query's attention over L cached rows (attention_cpu.cpp; x86-64 AVX2 + FMA builds): q
+// (hq, d) float32; k, v rows of (hkv, d), float32 or bf16 (bf16_kv), row l at l * hkv * d;
+// out (hq, d) float32 = softmax(scale * q K^T) V per query head, kv head h / (hq / hkv).
+struct DecodeAttentionArgs {
+  const float* q;
+  const void* k;
+  const void* v;
+  float* out;
+  int64_t L, hq, hkv, d;
+  float scale;
+  bool bf16_kv;
+};
+void decode_attention_cpu(const DecodeAttentionArgs& args, int num_threads);
+
 // Whether this process was forked after the module loaded (libgomp's threads are then gone:
 // parallel regions must not run; see segcopy_cpu.cpp).
 bool forked_after_load();

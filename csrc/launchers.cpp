@@ -125,6 +125,26 @@ void gated_delta_rule(std::uintptr_t qkv, int64_t qkv_stride, int64_t q_off, int
   py::gil_scoped_release nogil;  // the caller holds the tensors
   gated_delta_rule_cpu(a, num_threads);
 }
+
+void decode_attention(std::uintptr_t q, std::uintptr_t k, std::uintptr_t v, std::uintptr_t out,
+                      int64_t L, int64_t hq, int64_t hkv, int64_t d, double scale, bool bf16_kv,
+                      int num_threads) {
+  if (small_m_linear_isa().empty())
+    throw std::runtime_error("decode_attention needs AVX2 and FMA, which this CPU lacks");
+  if (L <= 0 || hq <= 0 || hkv <= 0 || hq % hkv != 0)
+    throw std::invalid_argument("decode_attention: L, hq, hkv must be positive with hq a multiple of hkv, got " +
+                                std::to_string(L) + ", " + std::to_string(hq) + ", " + std::to_string(hkv));
+  if (d <= 0 || d % 8 != 0)
+    throw std::invalid_argument("decode_attention: head dim must be a positive multiple of 8, got " +
+                                std::to_string(d));
+  if (q == 0 || k == 0 || v == 0 || out == 0) throw std::invalid_argument("decode_attention: null address");
+  if (num_threads < 0) throw std::invalid_argument("num_threads must be >= 0 (0 = all cores)");
+  const DecodeAttentionArgs a{reinterpret_cast<const float*>(q), reinterpret_cast<const void*>(k),
+                              reinterpret_cast<const void*>(v), reinterpret_cast<float*>(out),
+                              L, hq, hkv, d, static_cast<float>(scale), bf16_kv};
+  py::gil_scoped_release nogil;  // the caller holds the tensors
+  decode_attention_cpu(a, num_threads);
+}
 #else
 std::string small_m_linear_isa() { return ""; }
 #endif

@@ -49,6 +49,11 @@ void gated_delta_rule(std::uintptr_t qkv, int64_t qkv_stride, int64_t q_off, int
                       int64_t v_off, std::uintptr_t g, std::uintptr_t beta, std::uintptr_t state,
                       std::uintptr_t out, std::uintptr_t planes, int64_t T, int64_t hk, int64_t hv,
                       int64_t dk, int64_t dv, int num_threads);
+// One query's attention at host addresses (flashrt::DecodeAttentionArgs; the Python wrapper
+// checks the tensors).
+void decode_attention(std::uintptr_t q, std::uintptr_t k, std::uintptr_t v, std::uintptr_t out,
+                      int64_t L, int64_t hq, int64_t hkv, int64_t d, double scale, bool bf16_kv,
+                      int num_threads);
 #endif
 std::string small_m_linear_isa();
 // The weight dtypes small_m_linear takes (a build from older sources lacks this name).

@@ -215,6 +215,51 @@ def test_gated_delta_rule_refuses_bad_arguments():
                                    state.data_ptr(), qkv.data_ptr(), 0, 2, 2, 4, 8, 8)
 
 
+# --------------------------------------------------------------------------- one query's attention
+
+needs_attention = pytest.mark.skipif(not native.DECODE_ATTENTION, reason="decode attention needs the "
+                                     "extension on x86-64 AVX2 + FMA")
+
+
+@needs_attention
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("L, hq, hkv, d", [(1, 1, 1, 8), (513, 8, 2, 256), (33, 6, 2, 24), (70, 6, 3, 16),
+                                           (9, 4, 4, 64)])
+def test_decode_attention_matches_a_double_reference(L, hq, hkv, d, kv_dtype):
+    """Query heads 1, 2 or 4 to a work item (hq / hkv of 1, 2, 3, 4), K/V read as stored (bf16
+    widened exactly) against float64 SDPA; 1 or 2 threads give the same bits."""
+    g = torch.Generator().manual_seed(L * 10 + d)
+    q = torch.randn(hq, d, generator=g)
+    k, v = (torch.randn(L, hkv, d, generator=g).to(kv_dtype) for _ in range(2))
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q[None, :, None].double(), k.permute(1, 0, 2)[None].double(), v.permute(1, 0, 2)[None].double(),
+        scale=d ** -0.5, enable_gqa=hq != hkv)[0, :, 0].float()
+    got = native.decode_attention(q, k, v, d ** -0.5)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = native.decode_attention(q, k, v, d ** -0.5)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, got)
+
+
+@needs_attention
+def test_decode_attention_refuses_bad_arguments():
+    q, k = torch.randn(4, 16), torch.randn(5, 2, 16)
+    for args, msg in [((q.double(), k, k), "q must be"), ((q, k.half(), k.half()), "k must be"),
+                      ((q, k, k.bfloat16()), "v must be"), ((q, k, k[:4].contiguous()), "do not fit"),
+                      ((q[:, :12].contiguous(), k[..., :12].contiguous(), k[..., :12].contiguous()), "do not fit"),
+                      ((q[:3].contiguous(), k, k), "do not fit"), ((q, k.transpose(0, 1), k), "not contiguous")]:
+        with pytest.raises(ValueError, match=msg):
+            native.decode_attention(*args, 0.25)
+    with pytest.raises(ValueError, match="multiple of hkv"):
+        native._C.decode_attention(q.data_ptr(), k.data_ptr(), k.data_ptr(), q.data_ptr(), 5, 3, 2, 16, 0.25)
+    with pytest.raises(ValueError, match="multiple of 8"):
+        native._C.decode_attention(q.data_ptr(), k.data_ptr(), k.data_ptr(), q.data_ptr(), 5, 4, 2, 12, 0.25)
+
+
 def _int8_weight(n, k, g):
     """(q int8 (n, k), scale bf16 (n,), the float64 weights they stand for), any k."""
     w = torch.randn(n, k, generator=g) * torch.logspace(-2, 1, n)[:, None]

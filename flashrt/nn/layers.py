@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from flashrt import native
 from flashrt.core.step import StepCtx
 
 from .linear import Linear
@@ -107,6 +108,12 @@ def attend_cached(q, k, v, k_cache, v_cache, ctx: StepCtx, scale: float) -> torc
     k_cache[ctx.start: ctx.end] = k
     v_cache[ctx.start: ctx.end] = v
     K, V = k_cache[: ctx.end], v_cache[: ctx.end]      # only committed + new rows: stale rows unread
+    if (ctx.T == 1 and native.DECODE_ATTENTION and q.device.type == "cpu" and q.shape[-1] % 8 == 0
+            and K.dtype in (torch.float32, torch.bfloat16) and K.is_contiguous() and V.is_contiguous()
+            and not torch.compiler.is_compiling()):
+        # one query: the extension reads float32 or bf16 rows in place (torch's SDPA: a fraction of
+        # memory speed, and a float32 copy of a bf16 cache first)
+        return native.decode_attention(q[0].float(), K, V, scale).to(q.dtype)[None]
     qh = q.transpose(0, 1).unsqueeze(0)                 # (1, Hq, T, D)
     kh = K.permute(1, 0, 2).unsqueeze(0)                # (1, Hkv, L, D)
     vh = V.permute(1, 0, 2).unsqueeze(0)

@@ -1,0 +1,125 @@
+// One query's attention over a KV cache (a decode step), float32 math over float32 or bf16
+// K/V rows: per query head, scores = scale * q K^T over L rows, softmax, p V. torch's CPU SDPA
+// runs one query at a fraction of memory speed, and in bf16 wants K/V widened to float32 first
+// (a copy of the cache every step); here each row is read in place and widened in registers.
+// Threads split the query heads, G at a time sharing each K/V row read (each output a fixed order
+// of sums): results do not depend on the thread count.
+// Built with -mavx2 -mfma; the launcher checks the CPU first.
+#include "flashrt.h"
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#ifdef FLASHRT_OPENMP
+#include <omp.h>
+#endif
+
+namespace flashrt {
+namespace {
+
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const uint16_t* p) {
+  const __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+}
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// The G query heads h0.. that share kv head kvh: each K and V row is read once for all G
+// (scores: G dot products a row; p V: 8 columns of the G outputs at a time in registers).
+// D a multiple of 8 (the launcher checks); s: G * L floats of scratch.
+template <int G, typename T>
+void group(const DecodeAttentionArgs& a, const T* k, const T* v, int64_t kvh, int64_t h0, float* s) {
+  const int64_t D = a.d, L = a.L, stride = a.hkv * D;
+  const float* q = a.q + h0 * D;
+  for (int64_t l = 0; l < L; ++l) {          // scores: lane j of a head's sum takes d = j, j+8, ...
+    const T* kr = k + l * stride + kvh * D;
+    __m256 acc[G];
+    for (int g = 0; g < G; ++g) acc[g] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < D; d += 8) {
+      const __m256 kv = load8(kr + d);
+      for (int g = 0; g < G; ++g) acc[g] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * D + d), kv, acc[g]);
+    }
+    for (int g = 0; g < G; ++g) s[g * L + l] = hsum(acc[g]) * a.scale;
+  }
+  float inv[G];
+  for (int g = 0; g < G; ++g) {              // softmax of each head's row, in order
+    float* sg = s + g * L;
+    float mx = -INFINITY, sum = 0.f;
+    for (int64_t l = 0; l < L; ++l) mx = std::max(mx, sg[l]);
+    for (int64_t l = 0; l < L; ++l) {
+      sg[l] = std::exp(sg[l] - mx);
+      sum += sg[l];
+    }
+    inv[g] = 1.f / sum;
+  }
+  for (int64_t d = 0; d < D; d += 8) {       // o[:, d:d+8] = sum over l in order of p_l V_l
+    __m256 acc[G];
+    for (int g = 0; g < G; ++g) acc[g] = _mm256_setzero_ps();
+    for (int64_t l = 0; l < L; ++l) {
+      const __m256 vv = load8(v + l * stride + kvh * D + d);
+      for (int g = 0; g < G; ++g) acc[g] = _mm256_fmadd_ps(_mm256_set1_ps(s[g * L + l]), vv, acc[g]);
+    }
+    for (int g = 0; g < G; ++g)
+      _mm256_storeu_ps(a.out + (h0 + g) * D + d, _mm256_mul_ps(acc[g], _mm256_set1_ps(inv[g])));
+  }
+}
+
+// Work item i of hq / G: a kv head and G of its query heads
+template <int G, typename T>
+void item(const DecodeAttentionArgs& a, const T* k, const T* v, int64_t i, float* s) {
+  const int64_t per = (a.hq / a.hkv) / G, kvh = i / per;
+  group<G>(a, k, v, kvh, kvh * (a.hq / a.hkv) + (i % per) * G, s);
+}
+
+template <int G, typename T>
+void run(const DecodeAttentionArgs& a, int num_threads) {
+  const T* k = static_cast<const T*>(a.k);
+  const T* v = static_cast<const T*>(a.v);
+  const int64_t items = a.hq / G;
+#ifdef FLASHRT_OPENMP
+  if (num_threads <= 0) num_threads = omp_get_max_threads();
+  num_threads = static_cast<int>(std::min<int64_t>(num_threads, items));
+  if (num_threads > 1 && !forked_after_load()) {
+#pragma omp parallel num_threads(num_threads)
+    {
+      std::vector<float> s(G * a.L);
+#pragma omp for schedule(static)
+      for (int64_t i = 0; i < items; ++i) item<G>(a, k, v, i, s.data());
+    }
+    return;
+  }
+#else
+  (void)num_threads;
+#endif
+  std::vector<float> s(G * a.L);
+  for (int64_t i = 0; i < items; ++i) item<G>(a, k, v, i, s.data());
+}
+
+// G: query heads a work item takes, a divisor of hq / hkv up to 4 (G accumulators in registers)
+template <typename T>
+void dispatch(const DecodeAttentionArgs& a, int num_threads) {
+  const int64_t g = a.hq / a.hkv;
+  if (g % 4 == 0) return run<4, T>(a, num_threads);
+  if (g % 2 == 0) return run<2, T>(a, num_threads);
+  run<1, T>(a, num_threads);
+}
+
+}  // namespace
+
+void decode_attention_cpu(const DecodeAttentionArgs& a, int num_threads) {
+  if (a.bf16_kv)
+    dispatch<uint16_t>(a, num_threads);
+  else
+    dispatch<float>(a, num_threads);
+}
+
+}  // namespace flashrt
