@@ -328,3 +328,24 @@ def test_linear_kernel_selection(runtime):
     rt.prefill(ids)
     auto.restore(rt.snapshot())
     assert auto.tokens == ids
+
+
+def test_loaded_weights_do_not_follow_the_checkpoint_file(tmp_path):
+    """The model owns its weights: the checkpoint rewritten in place after load (float32 on disk
+    and in the model, where safetensors hands out views of the mapped file) changes nothing the
+    model computes."""
+    import struct
+
+    from flashrt.lm import load
+    from flashrt.models.checkpoint import make_checkpoint
+    d = make_checkpoint("qwen3", "tiny", tmp_path, dtype="float32")
+    rt = load(d, dtype="float32", max_seq_len=64)
+    ids = list(range(3, 19))
+    before = rt.prefill(ids, all_logits=True)
+    f = d / "model.safetensors"
+    header = struct.unpack("<Q", f.read_bytes()[:8])[0]
+    with open(f, "r+b") as fh:                  # every tensor byte zeroed, in place
+        fh.seek(8 + header)
+        fh.write(bytes(f.stat().st_size - 8 - header))
+    rt.reset()
+    assert torch.equal(rt.prefill(ids, all_logits=True), before)
