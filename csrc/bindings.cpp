@@ -38,6 +38,10 @@ PYBIND11_MODULE(_C, m) {
         "y (m, n) = x (m, k) @ w (n, k).T at host addresses, x and y float32, w float32 (bf16 "
         "where bf16_weights), contiguous rows; num_threads=0 uses OpenMP's thread count. For "
         "small m (a short step's projections).");
+  m.def("gemv_bf16", &flashrt::launch::gemv_bf16, py::arg("x"), py::arg("w"), py::arg("y"), py::arg("n"),
+        py::arg("k"), py::arg("num_threads") = 0,
+        "y (n,) = x (k,) @ w (n, k).T at host addresses, all bf16, contiguous; summed in float32, "
+        "y rounded to nearest even.");
   m.def("small_m_linear_int8", &flashrt::launch::small_m_linear_int8, py::arg("x"), py::arg("w"),
         py::arg("scale"), py::arg("y"), py::arg("m"), py::arg("n"), py::arg("k"),
         py::arg("num_threads") = 0,

@@ -37,6 +37,8 @@ void small_m_linear(const float* x, const float* w, float* y, int64_t M, int64_t
 // The same with bf16 weights (raw 16-bit patterns), widened to float32 in registers.
 void small_m_linear_bf16w(const float* x, const uint16_t* w, float* y, int64_t M, int64_t N,
                           int64_t K, int num_threads);
+// One row of bf16 x against bf16 weights, y (N,) written as bf16 (rounded to nearest even).
+void gemv_bf16(const uint16_t* x, const uint16_t* w, uint16_t* y, int64_t N, int64_t K, int num_threads);
 // The same with int8 weights and a bf16 scale per weight row: y = (x w^T) * scale.
 void small_m_linear_int8w(const float* x, const int8_t* w, const uint16_t* scale, float* y,
                           int64_t M, int64_t N, int64_t K, int num_threads);

@@ -89,6 +89,13 @@ void small_m_linear(std::uintptr_t x, std::uintptr_t w, std::uintptr_t y, int64_
                             reinterpret_cast<float*>(y), m, n, k, num_threads);
 }
 
+void gemv_bf16(std::uintptr_t x, std::uintptr_t w, std::uintptr_t y, int64_t n, int64_t k, int num_threads) {
+  check_small_m("gemv_bf16", x, w, y, 1, n, k, num_threads);
+  py::gil_scoped_release nogil;  // the caller holds the tensors
+  flashrt::gemv_bf16(reinterpret_cast<const uint16_t*>(x), reinterpret_cast<const uint16_t*>(w),
+                     reinterpret_cast<uint16_t*>(y), n, k, num_threads);
+}
+
 void small_m_linear_int8(std::uintptr_t x, std::uintptr_t w, std::uintptr_t scale, std::uintptr_t y,
                          int64_t m, int64_t n, int64_t k, int num_threads) {
   check_small_m("small_m_linear_int8", x, w, y, m, n, k, num_threads);

@@ -40,6 +40,8 @@ class CpuCopyPlan {
 // the Python wrapper checks the tensors).
 void small_m_linear(std::uintptr_t x, std::uintptr_t w, std::uintptr_t y, int64_t m, int64_t n,
                     int64_t k, int num_threads, bool bf16_weights);
+// One row, x, w and y all bf16: y (n,) = x (k,) w (n, k)^T, rounded to bf16.
+void gemv_bf16(std::uintptr_t x, std::uintptr_t w, std::uintptr_t y, int64_t n, int64_t k, int num_threads);
 // The same for int8 weights w (n, k) with a bf16 scale per row (n,): y = (x w^T) * scale.
 void small_m_linear_int8(std::uintptr_t x, std::uintptr_t w, std::uintptr_t scale, std::uintptr_t y,
                          int64_t m, int64_t n, int64_t k, int num_threads);

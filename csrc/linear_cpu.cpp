@@ -17,6 +17,8 @@
 // int8 weights (load(..., weights="int8")): widened to float32 the same way (sign-extend,
 // convert: exact), the row's bf16 scale applied once to each output's sum.
 //
+// A bf16 model's decode step (gemv_bf16): x widened once, y rounded to bf16 as it is written, so
+// the step makes no float32 copies of either; the same bits as the float32 call plus torch's casts.
 // One row (a decode step) is a GEMV: no x reuse, so no tile; each thread streams its own
 // contiguous run of weight rows, GEMV_ROWS rows at a time with one vector sum per row (their
 // independent FMA chains keep enough loads in flight), x staying in L1.
@@ -33,6 +35,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #ifdef FLASHRT_OPENMP
 #include <omp.h>
@@ -190,8 +193,18 @@ constexpr int64_t GEMV_PREFETCH = 16 << 10;
 
 // y[n] for R weight rows at w: one vector sum per row, the same per-lane order as the tile.
 // end: the end of the thread's run (no prefetch past it).
-template <int R, typename W>
-inline void gemv_tile(const float* x, const W* w, const uint16_t* scale, float* y, int64_t K,
+// An output as stored: float32, or bf16 rounded to nearest even as torch's CPU float -> bf16
+// cast (its vectorized form writes any NaN as 0xffff)
+inline void put(float* y, float v) { *y = v; }
+inline void put(uint16_t* y, float v) {
+  uint32_t u;
+  std::memcpy(&u, &v, sizeof u);
+  *y = (u & 0x7fffffffu) > 0x7f800000u ? uint16_t{0xffff}
+                                      : static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+template <int R, typename W, typename Y>
+inline void gemv_tile(const float* x, const W* w, const uint16_t* scale, Y* y, int64_t K,
                       const char* end) {
   constexpr int STEPS = 64 / (8 * sizeof(W));          // k-steps of 8 per 64-byte line of a row
   constexpr int PER = R >= STEPS ? R / STEPS : 1, EVERY = R >= STEPS ? 1 : STEPS / R;
@@ -214,11 +227,11 @@ inline void gemv_tile(const float* x, const W* w, const uint16_t* scale, float* 
     const __m256 xv = _mm256_loadu_ps(x + k);
     for (int r = 0; r < R; ++r) acc[r] = _mm256_fmadd_ps(xv, load8(w + r * K + k), acc[r]);
   }
-  for (int r = 0; r < R; ++r) y[r] = finish(acc[r], x, w + r * K, K8, K, scale ? scale + r : nullptr);
+  for (int r = 0; r < R; ++r) put(y + r, finish(acc[r], x, w + r * K, K8, K, scale ? scale + r : nullptr));
 }
 
-template <typename W>
-void gemv_rows(const float* x, const W* w, const uint16_t* scale, float* y, int64_t K, int64_t n0,
+template <typename W, typename Y>
+void gemv_rows(const float* x, const W* w, const uint16_t* scale, Y* y, int64_t K, int64_t n0,
                int64_t n1) {
   const char* end = reinterpret_cast<const char*>(w + n1 * K);
   int64_t n = n0;
@@ -227,8 +240,8 @@ void gemv_rows(const float* x, const W* w, const uint16_t* scale, float* y, int6
   for (; n < n1; ++n) gemv_tile<1>(x, w + n * K, scale ? scale + n : nullptr, y + n, K, end);
 }
 
-template <typename W>
-void gemv(const float* x, const W* w, const uint16_t* scale, float* y, int64_t N, int64_t K,
+template <typename W, typename Y>
+void gemv(const float* x, const W* w, const uint16_t* scale, Y* y, int64_t N, int64_t K,
           int num_threads) {
 #ifdef FLASHRT_OPENMP
   if (num_threads <= 0) num_threads = omp_get_max_threads();
@@ -285,6 +298,12 @@ void small_m_linear(const float* x, const float* w, float* y, int64_t M, int64_t
 void small_m_linear_bf16w(const float* x, const uint16_t* w, float* y, int64_t M, int64_t N,
                           int64_t K, int num_threads) {
   small_m(x, w, nullptr, y, M, N, K, num_threads);
+}
+
+void gemv_bf16(const uint16_t* x, const uint16_t* w, uint16_t* y, int64_t N, int64_t K, int num_threads) {
+  std::vector<float> xf(static_cast<size_t>(K));   // bf16 -> float32 is exact
+  for (int64_t k = 0; k < K; ++k) xf[k] = widen(x[k]);
+  gemv(xf.data(), w, nullptr, y, N, K, num_threads);
 }
 
 void small_m_linear_int8w(const float* x, const int8_t* w, const uint16_t* scale, float* y,

@@ -61,18 +61,22 @@ def _onednn_runs_bf16() -> bool:
                     reason="needs the small-M kernel and oneDNN's bf16 inner product")
 def test_flashrt_kernel_dispatch_bf16(monkeypatch):
     """bf16 weights: 1..SMALL_M_MAX_BF16 rows (a strided x, a bias too) go to the small-M kernel
-    (counted: at small K its bits often equal oneDNN's), summed in float32 and rounded once."""
+    (counted: at small K its bits often equal oneDNN's), summed in float32 and rounded once; one
+    row without a bias to its bf16-in-and-out form."""
     from flashrt.nn.linear import linear
     calls = []
-    kernel = native.small_m_linear
+    kernel, one_row = native.small_m_linear, native.gemv_bf16
     monkeypatch.setattr(native, "small_m_linear", lambda x, w: calls.append(x.shape[0]) or kernel(x, w))
+    monkeypatch.setattr(native, "gemv_bf16", lambda x, w: calls.append("gemv_bf16") or one_row(x, w))
     g = torch.Generator().manual_seed(4)
     w, b = torch.randn(40, 24, generator=g).bfloat16(), torch.randn(40, generator=g).bfloat16()
     for m in (1, 8, 9, 32):
         x = torch.randn(m, 24, generator=g).bfloat16()
         calls.clear()
         y = linear(x, w, kernel="flashrt")
-        assert calls == ([m] if m <= native.SMALL_M_MAX_BF16 else []), m
+        # one row without a bias: bf16 in and out (gemv_bf16, the same bits)
+        want = ["gemv_bf16"] if m == 1 and native.GEMV_BF16 else [m] if m <= native.SMALL_M_MAX_BF16 else []
+        assert calls == want, m
         assert y.dtype == torch.bfloat16
         torch.testing.assert_close(y.float(), x.float() @ w.float().T, rtol=2 ** -7, atol=2 ** -7)
     xt = torch.randn(24, 4, generator=g).bfloat16().t()       # (4, 24), not contiguous

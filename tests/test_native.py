@@ -107,6 +107,33 @@ def test_small_m_linear_rows_do_not_depend_on_the_batch(n, k, wdtype):
 
 
 @needs_small_m
+@pytest.mark.parametrize("n, k", [(1, 1), (5, 7), (13, 64), (67, 1000), (300, 2051)])
+def test_gemv_bf16_is_the_float32_call_and_torch_casts(n, k):
+    """bf16 in and out: the bits of small_m_linear(x.float(), w).to(bfloat16), the rounding of
+    torch's cast included (ties to even, overflow to inf, NaN stays NaN)."""
+    g = torch.Generator().manual_seed(n + k)
+    x, w = (torch.randn(1, k, generator=g) * 3).bfloat16(), torch.randn(n, k, generator=g).bfloat16()
+    if n >= 5:                                   # rows that overflow, carry a NaN, and sum to 0
+        w[0], w[1], w[2] = 3e38, float("nan"), 0.0
+        x[0, 0] = 3e38
+    want = native.small_m_linear(x.float(), w).to(torch.bfloat16)
+    got = native.gemv_bf16(x, w)
+    assert got.dtype == torch.bfloat16 and got.shape == (1, n)
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
+@needs_small_m
+def test_gemv_bf16_refuses_bad_arguments():
+    x, w = torch.randn(1, 8).bfloat16(), torch.randn(6, 8).bfloat16()
+    for bad, msg in [((x.float(), w), "x must be"), ((x, w.float()), "w must be"),
+                     ((torch.randn(2, 8).bfloat16(), w), "expected x"), ((x, w[:, :7].contiguous()), "expected x")]:
+        with pytest.raises(ValueError, match=msg):
+            native.gemv_bf16(*bad)
+    with pytest.raises(ValueError, match="out must be"):
+        native.gemv_bf16(x, w, out=torch.empty(1, 6))
+
+
+@needs_small_m
 def test_small_m_linear_refuses_bad_arguments():
     g = torch.Generator().manual_seed(0)
     x, w = torch.randn(4, 8, generator=g), torch.randn(6, 8, generator=g)

@@ -13,7 +13,7 @@ It imports nothing of flashrt outside this folder.
 * capsule_file.py: ``load_known_table``, a whole capsule load in one call for a file whose
   entry table the target already holds; ``zero_spans``.
 * gemm.py: ``small_m_linear`` / ``small_m_linear_int8``, the small-M projection kernel (one
-  row: a GEMV) for float32, bf16 and int8 weights.
+  row: a GEMV) for float32, bf16 and int8 weights; ``gemv_bf16``, one row bf16 in and out.
 * attention.py: ``decode_attention``, one query's attention over the KV cache (decode).
 * recurrent.py: ``gated_delta_rule``, Gated DeltaNet's rule token by token (decode, verify).
 * _ext.py: loading the extension, and whether its OpenMP threads are torch's.
@@ -24,8 +24,8 @@ from ._ext import (COPIES_ON_TORCH_THREADS, HAVE_CUDA_EXT, HAVE_EXT, NEEDS, C as
                    ext_status)
 from .capsule_file import load_known_table, zero_spans  # noqa: F401
 from .copies import SegmentPlan, copy_segments  # noqa: F401
-from .gemm import (SMALL_M_INT8, SMALL_M_LINEAR, SMALL_M_MAX, SMALL_M_MAX_BF16,  # noqa: F401
-                   SMALL_M_MAX_INT8, small_m_linear, small_m_linear_int8)
+from .gemm import (GEMV_BF16, SMALL_M_INT8, SMALL_M_LINEAR, SMALL_M_MAX, SMALL_M_MAX_BF16,  # noqa: F401
+                   SMALL_M_MAX_INT8, gemv_bf16, small_m_linear, small_m_linear_int8)
 from .attention import DECODE_ATTENTION, decode_attention  # noqa: F401
 from .recurrent import GDN_RULE, gated_delta_rule  # noqa: F401
 from .hashes import hash_blocks, read_blocks_hashed, xxh3, xxh3_parts, xxh64  # noqa: F401

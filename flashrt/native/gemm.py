@@ -19,6 +19,8 @@ SMALL_M_MAX_BF16 = 8
 # torch's int8 weight-only kernel at M = 1..32 (bench/linear.py --weights int8)
 SMALL_M_INT8: bool = SMALL_M_LINEAR and "int8" in ext.C.small_m_linear_weight_dtypes()
 SMALL_M_MAX_INT8 = 32
+# one row of a bf16 model, bf16 in and out (the build has it: older sources lack it)
+GEMV_BF16: bool = SMALL_M_LINEAR and hasattr(ext.C, "gemv_bf16")
 
 
 def _check(fn: str, name: str, t: torch.Tensor, dtypes: tuple, dim: int = 2) -> None:
@@ -73,3 +75,23 @@ def small_m_linear_int8(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
     ext.C.small_m_linear_int8(x.data_ptr(), w.data_ptr(), scale.data_ptr(), out.data_ptr(), m, n, k)
     return out
 
+
+
+def gemv_bf16(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x (1, K) @ w (N, K).T as bf16 (1, N), x and w bf16: the bits of
+    small_m_linear(x.float(), w).to(torch.bfloat16) without the two float32 copies (x widened and
+    y rounded to nearest even inside). Callers check GEMV_BF16. ValueError names a bad argument."""
+    if not GEMV_BF16:
+        raise RuntimeError(f"gemv_bf16 unavailable: {ext.ext_status()}")
+    _check("gemv_bf16", "x", x, (torch.bfloat16,))
+    _check("gemv_bf16", "w", w, (torch.bfloat16,))
+    (m, k), (n, k2) = x.shape, w.shape
+    if m != 1 or k != k2 or n == 0 or k == 0:
+        raise ValueError(f"gemv_bf16: x {tuple(x.shape)} and w {tuple(w.shape)}: expected x (1, K), w (N, K)")
+    if out is None:
+        out = torch.empty(1, n, dtype=torch.bfloat16, device=x.device)
+    elif out.dtype != torch.bfloat16 or tuple(out.shape) != (1, n) or not out.is_contiguous() \
+            or out.device.type != "cpu":
+        raise ValueError(f"gemv_bf16: out must be a contiguous bfloat16 CPU (1, {n}) tensor")
+    ext.C.gemv_bf16(x.data_ptr(), w.data_ptr(), out.data_ptr(), n, k)
+    return out

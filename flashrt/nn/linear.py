@@ -57,6 +57,8 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, kern
     lo, hi = small_m_rows(kernel, x.dtype)
     if (kernel != "onednn" and x.dim() == 2 and lo <= x.shape[0] <= hi and w.is_contiguous()
             and w.dtype == x.dtype):
+        if b is None and x.shape[0] == 1 and x.dtype == torch.bfloat16 and native.GEMV_BF16:
+            return native.gemv_bf16(x.contiguous(), w)   # the same bits, no float32 copies
         # a strided x (e.g. Gated DeltaNet's output, (T, 2048) in the Qwen3.5 shape) is a few
         # KiB to copy; oneDNN would stream the weights at half the speed
         y = native.small_m_linear(x.contiguous().float(), w)
