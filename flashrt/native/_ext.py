@@ -68,6 +68,16 @@ def _copies_on_torch_threads() -> bool:
 COPIES_ON_TORCH_THREADS: bool = _copies_on_torch_threads()
 
 
+def check_tensor(fn: str, name: str, t: torch.Tensor, dtypes: tuple, dim: int = 2) -> None:
+    """ValueError naming argument `name` of `fn` unless t is a contiguous `dim`-D CPU tensor of one
+    of `dtypes`: what the wrappers check before handing an address to the extension."""
+    if t.dtype not in dtypes or t.dim() != dim or not t.is_contiguous() or t.device.type != "cpu":
+        raise ValueError(f"{fn}: {name} must be a contiguous {dim}-D "
+                         f"{' or '.join(str(d)[6:] for d in dtypes)} CPU tensor, got "
+                         f"{t.dtype}, shape {tuple(t.shape)}, strides {t.stride()}"
+                         f"{'' if t.is_contiguous() else ' (not contiguous)'}, {t.device}")
+
+
 def ext_status() -> str:
     """One line saying which native paths are in use (for logs and bug reports)."""
     if not HAVE_EXT:
@@ -78,7 +88,7 @@ def ext_status() -> str:
                f"OpenMP at {C.openmp_runtime()}, not torch's" if C.openmp_runtime() else
                "own thread pool")
     small_m = bool(C.small_m_linear_isa()) and COPIES_ON_TORCH_THREADS     # gemm.SMALL_M_LINEAR
-    lin = (f"small-M linear ({C.small_m_linear_isa()})" if small_m else
+    lin = (f"small-M linear, GDN rule, one-query attention ({C.small_m_linear_isa()})" if small_m else
            "no small-M linear" + ("" if C.small_m_linear_isa() else " (needs x86-64 AVX2 + FMA)"))
     return (f"flashrt.native._C {C.version}: CPU segmented copy ({threads}), xxh64, xxh3 "
             f"({C.xxh3_isa()}), block checksums, {lin}, {cuda}")

@@ -6,7 +6,6 @@ from __future__ import annotations
 import torch
 
 from . import _ext as ext
-from .gemm import _check
 
 # Built (x86-64), the CPU has AVX2 + FMA, the build has the kernel (older sources lack it), and
 # its threads are torch's.
@@ -22,9 +21,9 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     if not DECODE_ATTENTION:
         raise RuntimeError(f"decode_attention unavailable: {ext.ext_status()}")
     fn = "decode_attention"
-    _check(fn, "q", q, (torch.float32,))
-    _check(fn, "k", k, (torch.float32, torch.bfloat16), dim=3)
-    _check(fn, "v", v, (k.dtype,), dim=3)
+    ext.check_tensor(fn, "q", q, (torch.float32,))
+    ext.check_tensor(fn, "k", k, (torch.float32, torch.bfloat16), dim=3)
+    ext.check_tensor(fn, "v", v, (k.dtype,), dim=3)
     (hq, d), (L, hkv, d2) = q.shape, k.shape
     if tuple(v.shape) != tuple(k.shape) or d2 != d or d % 8 or hq % hkv:
         raise ValueError(f"{fn}: q {tuple(q.shape)}, k {tuple(k.shape)} and v {tuple(v.shape)} do not "

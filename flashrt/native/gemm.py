@@ -23,14 +23,6 @@ SMALL_M_MAX_INT8 = 32
 GEMV_BF16: bool = SMALL_M_LINEAR and hasattr(ext.C, "gemv_bf16")
 
 
-def _check(fn: str, name: str, t: torch.Tensor, dtypes: tuple, dim: int = 2) -> None:
-    if t.dtype not in dtypes or t.dim() != dim or not t.is_contiguous() or t.device.type != "cpu":
-        raise ValueError(f"{fn}: {name} must be a contiguous {dim}-D "
-                         f"{' or '.join(str(d)[6:] for d in dtypes)} CPU tensor, got "
-                         f"{t.dtype}, shape {tuple(t.shape)}, strides {t.stride()}"
-                         f"{'' if t.is_contiguous() else ' (not contiguous)'}, {t.device}")
-
-
 def _out(fn: str, out: torch.Tensor | None, m: int, n: int) -> torch.Tensor:
     if out is None:
         return torch.empty(m, n, dtype=torch.float32)
@@ -46,8 +38,8 @@ def small_m_linear(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = 
     (widened in registers). ValueError names a bad argument."""
     if not (ext.HAVE_EXT and ext.C.small_m_linear_isa()):
         raise RuntimeError(f"small_m_linear unavailable: {ext.ext_status()}")
-    _check("small_m_linear", "x", x, (torch.float32,))
-    _check("small_m_linear", "w", w, (torch.float32, torch.bfloat16))
+    ext.check_tensor("small_m_linear", "x", x, (torch.float32,))
+    ext.check_tensor("small_m_linear", "w", w, (torch.float32, torch.bfloat16))
     (m, k), (n, k2) = x.shape, w.shape
     if k != k2 or m == 0 or n == 0 or k == 0:
         raise ValueError(f"small_m_linear: x {tuple(x.shape)} and w {tuple(w.shape)} do not multiply")
@@ -64,9 +56,9 @@ def small_m_linear_int8(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
     output. Callers check SMALL_M_INT8. ValueError names a bad argument."""
     if not (ext.HAVE_EXT and ext.C.small_m_linear_isa() and "int8" in ext.C.small_m_linear_weight_dtypes()):
         raise RuntimeError(f"small_m_linear_int8 unavailable: {ext.ext_status()}")
-    _check("small_m_linear_int8", "x", x, (torch.float32,))
-    _check("small_m_linear_int8", "w", w, (torch.int8,))
-    _check("small_m_linear_int8", "scale", scale, (torch.bfloat16,), dim=1)
+    ext.check_tensor("small_m_linear_int8", "x", x, (torch.float32,))
+    ext.check_tensor("small_m_linear_int8", "w", w, (torch.int8,))
+    ext.check_tensor("small_m_linear_int8", "scale", scale, (torch.bfloat16,), dim=1)
     (m, k), (n, k2) = x.shape, w.shape
     if k != k2 or m == 0 or n == 0 or k == 0 or scale.shape[0] != n:
         raise ValueError(f"small_m_linear_int8: x {tuple(x.shape)}, w {tuple(w.shape)} and scale "
@@ -83,8 +75,8 @@ def gemv_bf16(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None)
     y rounded to nearest even inside). Callers check GEMV_BF16. ValueError names a bad argument."""
     if not GEMV_BF16:
         raise RuntimeError(f"gemv_bf16 unavailable: {ext.ext_status()}")
-    _check("gemv_bf16", "x", x, (torch.bfloat16,))
-    _check("gemv_bf16", "w", w, (torch.bfloat16,))
+    ext.check_tensor("gemv_bf16", "x", x, (torch.bfloat16,))
+    ext.check_tensor("gemv_bf16", "w", w, (torch.bfloat16,))
     (m, k), (n, k2) = x.shape, w.shape
     if m != 1 or k != k2 or n == 0 or k == 0:
         raise ValueError(f"gemv_bf16: x {tuple(x.shape)} and w {tuple(w.shape)}: expected x (1, K), w (N, K)")

@@ -6,7 +6,6 @@ from __future__ import annotations
 import torch
 
 from . import _ext as ext
-from .gemm import _check
 
 # Built (x86-64), the CPU has AVX2 + FMA, the build has the kernel (older sources lack it), and
 # its threads are torch's.
@@ -25,19 +24,19 @@ def gated_delta_rule(qkv: torch.Tensor, heads: tuple, g: torch.Tensor, beta: tor
         raise RuntimeError(f"gated_delta_rule unavailable: {ext.ext_status()}")
     hk, hv, dk, dv = heads
     fn = "gated_delta_rule"
-    _check(fn, "qkv", qkv, (torch.float32,))
+    ext.check_tensor(fn, "qkv", qkv, (torch.float32,))
     T, width = qkv.shape
     if width != 2 * hk * dk + hv * dv:
         raise ValueError(f"{fn}: qkv rows of {width} floats, expected 2*{hk}*{dk} + {hv}*{dv}")
     for name, t in (("g", g), ("beta", beta)):
-        _check(fn, name, t, (torch.float32,))
+        ext.check_tensor(fn, name, t, (torch.float32,))
         if tuple(t.shape) != (T, hv):
             raise ValueError(f"{fn}: {name} of shape {tuple(t.shape)}, expected ({T}, {hv})")
-    _check(fn, "state", state, (torch.float32,), dim=3)
+    ext.check_tensor(fn, "state", state, (torch.float32,), dim=3)
     if tuple(state.shape) != (hv, dk, dv):
         raise ValueError(f"{fn}: state of shape {tuple(state.shape)}, expected ({hv}, {dk}, {dv})")
     if planes is not None:
-        _check(fn, "planes", planes, (torch.float32,), dim=4)
+        ext.check_tensor(fn, "planes", planes, (torch.float32,), dim=4)
         if tuple(planes.shape) != (T, hv, dk, dv):
             raise ValueError(f"{fn}: planes of shape {tuple(planes.shape)}, expected ({T}, {hv}, {dk}, {dv})")
     out = torch.empty(T, hv, dv, dtype=torch.float32, device=qkv.device)
