@@ -53,6 +53,14 @@ PYBIND11_MODULE(_C, m) {
         py::arg("hv"), py::arg("dk"), py::arg("dv"), py::arg("num_threads") = 0,
         "Gated DeltaNet's rule token by token at host addresses, float32: state (hv, dk, dv) "
         "updated in place, out (T, hv, dv), planes (T, hv, dk, dv) or 0.");
+  m.def("gated_delta_step", &flashrt::launch::gated_delta_step, py::arg("qkv"), py::arg("qkv_stride"),
+        py::arg("q_off"), py::arg("k_off"), py::arg("v_off"), py::arg("a"), py::arg("b"),
+        py::arg("state"), py::arg("out"), py::arg("planes"), py::arg("T"), py::arg("hk"),
+        py::arg("hv"), py::arg("dk"), py::arg("dv"), py::arg("a_log"), py::arg("dt_bias"),
+        py::arg("z"), py::arg("norm_w"), py::arg("eps"), py::arg("round_bf16") = false,
+        py::arg("num_threads") = 0,
+        "gated_delta_rule's gated form: beta and the decay from the raw b and a projections, out "
+        "(T, hv, dv) = rmsnorm(o) * norm_w * silu(z), rounded as a bf16 model's where round_bf16.");
   m.def("decode_attention", &flashrt::launch::decode_attention, py::arg("q"), py::arg("k"), py::arg("v"),
         py::arg("out"), py::arg("L"), py::arg("hq"), py::arg("hkv"), py::arg("d"), py::arg("scale"),
         py::arg("bf16_kv") = false, py::arg("num_threads") = 0,

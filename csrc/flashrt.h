@@ -47,6 +47,18 @@ void small_m_linear_int8w(const float* x, const int8_t* w, const uint16_t* scale
 // qkv_stride floats apart) holds q, k (hk heads of dk) and v (hv heads of dv) at q_off, k_off,
 // v_off; g (log decay) and beta (T, hv); state (hv, dk, dv) updated in place; out (T, hv, dv);
 // planes (T, hv, dk, dv) or null: the state after each token. All float32, contiguous.
+// Gated form (GdnArgs::gate): g holds the raw a projection and beta the raw b, (T, hv):
+// beta = sigmoid(b), g = -exp(a_log) * softplus(a + dt_bias); out per head is
+// rmsnorm(o) * norm_w * silu(z), z (T, hv * dv). round_bf16: each step rounded to bf16 where a
+// bf16 model's torch form rounds (beta, o, the norm, its weight product, the output).
+struct GdnGate {
+  const float* a_log;
+  const float* dt_bias;
+  const float* z;
+  const float* norm_w;
+  float eps;
+  bool round_bf16;
+};
 struct GdnArgs {
   const float* qkv;
   int64_t qkv_stride, q_off, k_off, v_off;
@@ -56,6 +68,7 @@ struct GdnArgs {
   float* out;
   float* planes;
   int64_t T, hk, hv, dk, dv;
+  const GdnGate* gate;   // null: the rule alone
 };
 void gated_delta_rule_cpu(const GdnArgs& args, int num_threads);
 

@@ -5,12 +5,15 @@
 // The torch form runs ~25 ops a token and layer and reads the 64 KiB state of a head four
 // times; here each head's state is read and written in two passes while it sits in L2.
 // Heads are independent: threads split them, so results do not depend on the thread count.
+// Gated form (GdnArgs::gate): the decay and beta from the raw projections, and the output gated
+// norm of Qwen3.5's block, in the same call (~30 fewer torch ops a layer and token).
 // Built with -mavx2 -mfma (the loops over Dv vectorize); the launcher checks the CPU first.
 #include "flashrt.h"
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 
 #ifdef FLASHRT_OPENMP
 #include <omp.h>
@@ -27,6 +30,36 @@ void l2norm(const float* x, float* out, int64_t D, float extra) {
   for (int64_t i = 0; i < D; ++i) out[i] = (x[i] * r) * extra;
 }
 
+// float32 -> bf16 -> float32, rounded to nearest even (torch's cast; NaN passes)
+inline float bf16(float v) {
+  uint32_t u;
+  std::memcpy(&u, &v, sizeof u);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return v;
+  u = ((u + 0x7fffu + ((u >> 16) & 1u)) >> 16) << 16;
+  std::memcpy(&v, &u, sizeof v);
+  return v;
+}
+
+// softplus as torch's (beta 1, threshold 20)
+inline float softplus(float x) { return x > 20.f ? x : std::log1p(std::exp(x)); }
+
+// o (Dv,) of head h, token t, in place: rmsnorm(o) * norm_w * silu(z) with the torch form's roundings
+void gate_output(const GdnArgs& a, const GdnGate& gt, int64_t t, int64_t h, float* o) {
+  const int64_t Dv = a.dv;
+  const auto rnd = [&](float v) { return gt.round_bf16 ? bf16(v) : v; };
+  float ss = 0.f;
+  for (int64_t j = 0; j < Dv; ++j) {
+    o[j] = rnd(o[j]);
+    ss += o[j] * o[j];
+  }
+  const float r = 1.f / std::sqrt(ss / static_cast<float>(Dv) + gt.eps);
+  const float* z = gt.z + (t * a.hv + h) * Dv;
+  for (int64_t j = 0; j < Dv; ++j) {
+    const float n = rnd(gt.norm_w[j] * rnd(o[j] * r));
+    o[j] = rnd(n * (z[j] / (1.f + std::exp(-z[j]))));
+  }
+}
+
 void head(const GdnArgs& a, int64_t h) {
   const int64_t Dk = a.dk, Dv = a.dv, kh = h / (a.hv / a.hk);
   float* S = a.state + h * Dk * Dv;
@@ -37,7 +70,13 @@ void head(const GdnArgs& a, int64_t h) {
     l2norm(row + a.q_off + kh * Dk, q, Dk, qscale);
     l2norm(row + a.k_off + kh * Dk, k, Dk, 1.f);
     const float* v = row + a.v_off + h * Dv;
-    const float decay = std::exp(a.g[t * a.hv + h]), beta = a.beta[t * a.hv + h];
+    float g = a.g[t * a.hv + h], beta = a.beta[t * a.hv + h];
+    if (a.gate != nullptr) {                    // raw projections: the decay and beta of the form
+      g = -std::exp(a.gate->a_log[h]) * softplus(g + a.gate->dt_bias[h]);
+      beta = 1.f / (1.f + std::exp(-beta));
+      if (a.gate->round_bf16) beta = bf16(beta);
+    }
+    const float decay = std::exp(g);
     for (int64_t j = 0; j < Dv; ++j) kv[j] = 0.f;
     for (int64_t i = 0; i < Dk; ++i) {           // S *= decay; kv = k S
       float* s = S + i * Dv;
@@ -58,6 +97,7 @@ void head(const GdnArgs& a, int64_t h) {
         o[j] += qi * s[j];
       }
     }
+    if (a.gate != nullptr) gate_output(a, *a.gate, t, h, o);
     if (a.planes != nullptr) {
       float* p = a.planes + (t * a.hv + h) * Dk * Dv;
       for (int64_t i = 0; i < Dk * Dv; ++i) p[i] = S[i];

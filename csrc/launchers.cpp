@@ -128,9 +128,45 @@ void gated_delta_rule(std::uintptr_t qkv, int64_t qkv_stride, int64_t q_off, int
   const GdnArgs a{reinterpret_cast<const float*>(qkv), qkv_stride, q_off, k_off, v_off,
                   reinterpret_cast<const float*>(g), reinterpret_cast<const float*>(beta),
                   reinterpret_cast<float*>(state), reinterpret_cast<float*>(out),
-                  reinterpret_cast<float*>(planes), T, hk, hv, dk, dv};
+                  reinterpret_cast<float*>(planes), T, hk, hv, dk, dv, nullptr};
   py::gil_scoped_release nogil;  // the caller holds the tensors
   gated_delta_rule_cpu(a, num_threads);
+}
+
+void gated_delta_step(std::uintptr_t qkv, int64_t qkv_stride, int64_t q_off, int64_t k_off,
+                      int64_t v_off, std::uintptr_t a, std::uintptr_t b, std::uintptr_t state,
+                      std::uintptr_t out, std::uintptr_t planes, int64_t T, int64_t hk, int64_t hv,
+                      int64_t dk, int64_t dv, std::uintptr_t a_log, std::uintptr_t dt_bias,
+                      std::uintptr_t z, std::uintptr_t norm_w, double eps, bool round_bf16,
+                      int num_threads) {
+  if (a_log == 0 || dt_bias == 0 || z == 0 || norm_w == 0)
+    throw std::invalid_argument("gated_delta_step: null address");
+  if (!(eps >= 0)) throw std::invalid_argument("gated_delta_step: eps must be >= 0");
+  const GdnGate gate{reinterpret_cast<const float*>(a_log), reinterpret_cast<const float*>(dt_bias),
+                     reinterpret_cast<const float*>(z), reinterpret_cast<const float*>(norm_w),
+                     static_cast<float>(eps), round_bf16};
+  // the rule's checks, then the same call with the gate
+  if (small_m_linear_isa().empty())
+    throw std::runtime_error("gated_delta_step needs AVX2 and FMA, which this CPU lacks");
+  if (T <= 0 || hk <= 0 || hv <= 0 || hv % hk != 0)
+    throw std::invalid_argument("gated_delta_step: T, hk, hv must be positive with hv a multiple of hk, got " +
+                                std::to_string(T) + ", " + std::to_string(hk) + ", " + std::to_string(hv));
+  if (dk <= 0 || dv <= 0 || dk > 512 || dv > 512)
+    throw std::invalid_argument("gated_delta_step: head dims must be in 1..512, got dk " +
+                                std::to_string(dk) + ", dv " + std::to_string(dv));
+  if (q_off < 0 || k_off < 0 || v_off < 0 || q_off + hk * dk > qkv_stride ||
+      k_off + hk * dk > qkv_stride || v_off + hv * dv > qkv_stride)
+    throw std::invalid_argument("gated_delta_step: q, k, v do not fit a qkv row of " +
+                                std::to_string(qkv_stride) + " floats");
+  if (qkv == 0 || a == 0 || b == 0 || state == 0 || out == 0)
+    throw std::invalid_argument("gated_delta_step: null address");
+  if (num_threads < 0) throw std::invalid_argument("num_threads must be >= 0 (0 = all cores)");
+  const GdnArgs args{reinterpret_cast<const float*>(qkv), qkv_stride, q_off, k_off, v_off,
+                     reinterpret_cast<const float*>(a), reinterpret_cast<const float*>(b),
+                     reinterpret_cast<float*>(state), reinterpret_cast<float*>(out),
+                     reinterpret_cast<float*>(planes), T, hk, hv, dk, dv, &gate};
+  py::gil_scoped_release nogil;  // the caller holds the tensors
+  gated_delta_rule_cpu(args, num_threads);
 }
 
 void decode_attention(std::uintptr_t q, std::uintptr_t k, std::uintptr_t v, std::uintptr_t out,

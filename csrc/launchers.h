@@ -51,6 +51,14 @@ void gated_delta_rule(std::uintptr_t qkv, int64_t qkv_stride, int64_t q_off, int
                       int64_t v_off, std::uintptr_t g, std::uintptr_t beta, std::uintptr_t state,
                       std::uintptr_t out, std::uintptr_t planes, int64_t T, int64_t hk, int64_t hv,
                       int64_t dk, int64_t dv, int num_threads);
+// The same in its gated form (flashrt::GdnGate): g and beta are the raw a and b projections; out
+// is the gated norm's output.
+void gated_delta_step(std::uintptr_t qkv, int64_t qkv_stride, int64_t q_off, int64_t k_off,
+                      int64_t v_off, std::uintptr_t a, std::uintptr_t b, std::uintptr_t state,
+                      std::uintptr_t out, std::uintptr_t planes, int64_t T, int64_t hk, int64_t hv,
+                      int64_t dk, int64_t dv, std::uintptr_t a_log, std::uintptr_t dt_bias,
+                      std::uintptr_t z, std::uintptr_t norm_w, double eps, bool round_bf16,
+                      int num_threads);
 // One query's attention at host addresses (flashrt::DecodeAttentionArgs; the Python wrapper
 // checks the tensors).
 void decode_attention(std::uintptr_t q, std::uintptr_t k, std::uintptr_t v, std::uintptr_t out,

@@ -219,6 +219,48 @@ def test_gated_delta_rule_tokens_in_one_call_equal_tokens_one_by_one():
     assert torch.equal(s_one, s_all)
 
 
+@pytest.mark.skipif(not native.GDN_STEP, reason="the gated GDN kernel needs the extension on x86-64 AVX2 + FMA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gated_delta_step_matches_the_torch_form(dtype):
+    """The gated form against Qwen3.5's block written in torch (the rule's torch path, then
+    norm(o) * silu(z)) in the model's dtype: float32 within 1e-5; bf16, whose form rounds at
+    each step, within a bf16 rounding (the kernel rounds at the same steps); the state within
+    1e-5 either way. T = 3 tokens with the state after each."""
+    from flashrt.nn import linear_attn as LA
+    from flashrt.nn.layers import RMSNorm
+    hk, hv, dk, dv, T = 2, 4, 16, 8, 3
+    g = torch.Generator().manual_seed(3)
+    qkv = torch.randn(T, 2 * hk * dk + hv * dv, generator=g).to(dtype)
+    a, b = (torch.randn(T, hv, generator=g).to(dtype) for _ in range(2))
+    z = torch.randn(T, hv * dv, generator=g).to(dtype)
+    a_log, dt_bias = torch.rand(hv, generator=g), torch.randn(hv, generator=g)
+    norm = RMSNorm(dv, 1e-6)
+    norm.weight.data = (1 + 0.1 * torch.randn(dv, generator=g)).to(dtype)
+    state = torch.randn(hv, dk, dv, generator=g) * 0.3
+    # the torch form (qwen3_5.GatedDeltaNet.forward without the kernel)
+    q, k, v = qkv.split([hk * dk, hk * dk, hv * dv], dim=-1)
+    beta = b.sigmoid()
+    decay = -a_log.exp() * torch.nn.functional.softplus(a.float() + dt_bias)
+    s_ref, p_ref = state.clone(), torch.empty(T, hv, dk, dv)
+    rule = native.GDN_RULE
+    try:
+        native.GDN_RULE = False
+        o = LA.recurrent_gated_delta_rule(q.reshape(T, hk, dk), k.reshape(T, hk, dk), v.reshape(T, hv, dv),
+                                          decay, beta, s_ref, planes=p_ref)
+    finally:
+        native.GDN_RULE = rule
+    ref = (norm(o) * torch.nn.functional.silu(z.view(T, hv, dv).float())).to(dtype).reshape(T, -1)
+    s_got, p_got = state.clone(), torch.empty(T, hv, dk, dv)
+    got = LA.gated_delta_block(qkv, a, b, z, a_log, dt_bias, norm, (hk, hv, dk, dv), s_got, p_got)
+    assert got.dtype == dtype and got.shape == (T, hv * dv)
+    tol = 1e-5 if dtype == torch.float32 else 2 ** -7
+    torch.testing.assert_close(got.float(), ref.float(), rtol=tol, atol=tol)
+    torch.testing.assert_close(s_got, s_ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(p_got, p_ref, rtol=1e-5, atol=1e-5)
+    if dtype == torch.bfloat16:                  # rounded at the same steps: nearly every value equal
+        assert (got == ref).float().mean() > 0.9
+
+
 @needs_gdn
 def test_gated_delta_rule_refuses_bad_arguments():
     heads = (2, 4, 8, 8)
@@ -234,6 +276,16 @@ def test_gated_delta_rule_refuses_bad_arguments():
         with pytest.raises(ValueError, match=msg):
             native.gated_delta_rule(*args)
     assert torch.equal(state, before)          # nothing ran
+    if native.GDN_STEP:                          # the gated form checks its own arguments too
+        hv_, dv_ = heads[1], heads[3]
+        gate = dict(a_log=torch.zeros(hv_), dt_bias=torch.zeros(hv_), z=torch.zeros(2, hv_ * dv_),
+                    norm_w=torch.ones(dv_), eps=1e-6)
+        for name, bad, msg in [("z", torch.zeros(2, hv_ * dv_ + 1), "z of shape"),
+                               ("norm_w", torch.ones(dv_).double(), "norm_w must be"),
+                               ("a_log", torch.zeros(hv_ + 1), "a_log of shape")]:
+            with pytest.raises(ValueError, match=msg):
+                native.gated_delta_step(qkv, heads, decay, beta, state, None, **{**gate, name: bad})
+        assert torch.equal(state, before)
     with pytest.raises(ValueError, match="multiple of hk"):
         native._C.gated_delta_rule(qkv.data_ptr(), 48, 0, 16, 32, decay.data_ptr(), beta.data_ptr(),
                                    state.data_ptr(), qkv.data_ptr(), 0, 2, 3, 4, 8, 8)

@@ -12,7 +12,7 @@ from flashrt.nn.layers import (QKNormAttention, RMSNorm, Rotary, SwiGLU, apply_r
                                attend_cached, depthwise_causal_conv, rotary_tables, rotate)
 from flashrt.nn.linear import Linear, linear  # noqa: F401
 from flashrt.nn.linear_attn import (causal_conv, chunk_gated_delta_rule, fast_kernels,  # noqa: F401
-                                    recurrent_gated_delta_rule)
+                                    gated_delta_block, gated_step_runs, recurrent_gated_delta_rule)
 
 from .causal_lm import CausalLM  # noqa: F401
 from .protocol import (InputSpec, PolicyModel, StatefulModel, VadModel, check, check_rope,  # noqa: F401

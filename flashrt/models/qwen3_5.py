@@ -23,7 +23,8 @@ from torch import nn
 
 from .base import (BufferSpec, CausalLM, InputSpec, Linear, RMSNorm, Rotary, StepCtx, SwiGLU,
                    apply_rotary, attend_cached, causal_conv, check, chunk_gated_delta_rule,
-                   fast_kernels, recurrent_gated_delta_rule, require)
+                   fast_kernels, gated_delta_block, gated_step_runs, recurrent_gated_delta_rule,
+                   require)
 
 LAYER_TYPES = ("linear_attention", "full_attention")
 
@@ -167,12 +168,19 @@ class GatedDeltaNet(nn.Module):
         T, planes = x.shape[0], ctx.planes or {}                 # x: (T, hidden)
         qkv = causal_conv(self.in_proj_qkv(x), state[self.conv_name], self.conv1d.weight[:, 0],
                           self.fast_conv, planes.get(self.conv_name))   # (T, conv_dim)
+        rec = state[self.rec_name]
+        if (T == 1 or self.rec_name in planes) and gated_step_runs(rec, self.fast_rule) \
+                and self.norm.weight.dtype == qkv.dtype:
+            # per token on the CPU: decay, beta, rule and gated norm in one extension call
+            o = gated_delta_block(qkv, self.in_proj_a(x), self.in_proj_b(x), self.in_proj_z(x), self.A_log,
+                                  self.dt_bias, self.norm, (self.hk, self.hv, self.dk, self.dv), rec,
+                                  planes.get(self.rec_name))
+            return self.out_proj(o)
         q, k, v = qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q, k = q.reshape(T, self.hk, self.dk), k.reshape(T, self.hk, self.dk)
         v = v.reshape(T, self.hv, self.dv)
         beta = self.in_proj_b(x).sigmoid()                       # (T, hv)
         g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
-        rec = state[self.rec_name]
         if T == 1 or self.rec_name in planes:     # per token: the state after each one exists
             o = recurrent_gated_delta_rule(q, k, v, g, beta, rec, self.fast_rule, planes.get(self.rec_name))
         else:

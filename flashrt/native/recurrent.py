@@ -1,6 +1,6 @@
 """Gated DeltaNet's rule token by token on the CPU (csrc/gdn_cpu.cpp): a decode step's, or a
 speculative verify's with the state after each token, in one call per layer instead of ~25
-torch ops a token."""
+torch ops a token; gated_delta_step also takes the decay, beta and the output gated norm."""
 from __future__ import annotations
 
 import torch
@@ -11,19 +11,11 @@ from . import _ext as ext
 # its threads are torch's.
 GDN_RULE: bool = (ext.HAVE_EXT and bool(ext.C.small_m_linear_isa()) and ext.COPIES_ON_TORCH_THREADS
                   and hasattr(ext.C, "gated_delta_rule"))
+GDN_STEP: bool = GDN_RULE and hasattr(ext.C, "gated_delta_step")     # the gated form
 
 
-def gated_delta_rule(qkv: torch.Tensor, heads: tuple, g: torch.Tensor, beta: torch.Tensor,
-                     state: torch.Tensor, planes: torch.Tensor | None = None) -> torch.Tensor:
-    """qkv (T, hk*dk + hk*dk + hv*dv): q, k, v of T tokens side by side; heads (hk, hv, dk, dv);
-    g (log decay) and beta (T, hv); state (hv, dk, dv), advanced in place; planes (T, hv, dk, dv):
-    also the state after each token. All float32, contiguous, on the CPU. Returns out (T, hv, dv)
-    float32: per token q and k l2-normed (q also by dk^-1/2), S *= exp(g), S += k^T (v - k S) beta,
-    o = q S. Callers check GDN_RULE. ValueError names a bad argument."""
-    if not GDN_RULE:
-        raise RuntimeError(f"gated_delta_rule unavailable: {ext.ext_status()}")
+def _check_rule(fn, qkv, heads, g, beta, state, planes) -> None:
     hk, hv, dk, dv = heads
-    fn = "gated_delta_rule"
     ext.check_tensor(fn, "qkv", qkv, (torch.float32,))
     T, width = qkv.shape
     if width != 2 * hk * dk + hv * dv:
@@ -39,8 +31,50 @@ def gated_delta_rule(qkv: torch.Tensor, heads: tuple, g: torch.Tensor, beta: tor
         ext.check_tensor(fn, "planes", planes, (torch.float32,), dim=4)
         if tuple(planes.shape) != (T, hv, dk, dv):
             raise ValueError(f"{fn}: planes of shape {tuple(planes.shape)}, expected ({T}, {hv}, {dk}, {dv})")
+
+
+def gated_delta_rule(qkv: torch.Tensor, heads: tuple, g: torch.Tensor, beta: torch.Tensor,
+                     state: torch.Tensor, planes: torch.Tensor | None = None) -> torch.Tensor:
+    """qkv (T, hk*dk + hk*dk + hv*dv): q, k, v of T tokens side by side; heads (hk, hv, dk, dv);
+    g (log decay) and beta (T, hv); state (hv, dk, dv), advanced in place; planes (T, hv, dk, dv):
+    also the state after each token. All float32, contiguous, on the CPU. Returns out (T, hv, dv)
+    float32: per token q and k l2-normed (q also by dk^-1/2), S *= exp(g), S += k^T (v - k S) beta,
+    o = q S. Callers check GDN_RULE. ValueError names a bad argument."""
+    if not GDN_RULE:
+        raise RuntimeError(f"gated_delta_rule unavailable: {ext.ext_status()}")
+    hk, hv, dk, dv = heads
+    _check_rule("gated_delta_rule", qkv, heads, g, beta, state, planes)
+    T, width = qkv.shape
     out = torch.empty(T, hv, dv, dtype=torch.float32, device=qkv.device)
     ext.C.gated_delta_rule(qkv.data_ptr(), width, 0, hk * dk, 2 * hk * dk, g.data_ptr(), beta.data_ptr(),
                            state.data_ptr(), out.data_ptr(), 0 if planes is None else planes.data_ptr(),
                            T, hk, hv, dk, dv)
+    return out
+
+
+def gated_delta_step(qkv: torch.Tensor, heads: tuple, a: torch.Tensor, b: torch.Tensor,
+                     state: torch.Tensor, planes: torch.Tensor | None, a_log: torch.Tensor,
+                     dt_bias: torch.Tensor, z: torch.Tensor, norm_w: torch.Tensor, eps: float,
+                     round_bf16: bool = False) -> torch.Tensor:
+    """gated_delta_rule's gated form (Qwen3.5's block after its conv): a, b (T, hv) the raw
+    projections, beta = sigmoid(b), g = -exp(a_log) * softplus(a + dt_bias) (a_log, dt_bias
+    (hv,)); returns (T, hv, dv) float32 = rmsnorm(o, eps) * norm_w (dv,) * silu(z), z (T, hv*dv).
+    round_bf16: rounded to bf16 where a bf16 model's torch form rounds. All float32, contiguous,
+    CPU. Callers check GDN_STEP. ValueError names a bad argument."""
+    if not GDN_STEP:
+        raise RuntimeError(f"gated_delta_step unavailable: {ext.ext_status()}")
+    hk, hv, dk, dv = heads
+    fn = "gated_delta_step"
+    _check_rule(fn, qkv, heads, a, b, state, planes)
+    T, width = qkv.shape
+    for name, t, shape in (("a_log", a_log, (hv,)), ("dt_bias", dt_bias, (hv,)), ("z", z, (T, hv * dv)),
+                           ("norm_w", norm_w, (dv,))):
+        ext.check_tensor(fn, name, t, (torch.float32,), dim=len(shape))
+        if tuple(t.shape) != shape:
+            raise ValueError(f"{fn}: {name} of shape {tuple(t.shape)}, expected {shape}")
+    out = torch.empty(T, hv, dv, dtype=torch.float32, device=qkv.device)
+    ext.C.gated_delta_step(qkv.data_ptr(), width, 0, hk * dk, 2 * hk * dk, a.data_ptr(), b.data_ptr(),
+                           state.data_ptr(), out.data_ptr(), 0 if planes is None else planes.data_ptr(),
+                           T, hk, hv, dk, dv, a_log.data_ptr(), dt_bias.data_ptr(), z.data_ptr(),
+                           norm_w.data_ptr(), float(eps), round_bf16=round_bf16)
     return out

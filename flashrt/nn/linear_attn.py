@@ -166,6 +166,26 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, state, fast: bool = False, plan
     return out.transpose(0, 1).to(dtype)
 
 
+def gated_step_runs(state: torch.Tensor, fast: bool) -> bool:
+    """Whether gated_delta_block runs here: the extension's gated kernel on the CPU, eager."""
+    return native.GDN_STEP and state.device.type == "cpu" and not fast and not torch.compiler.is_compiling()
+
+
+def gated_delta_block(qkv, a, b, z, A_log, dt_bias, norm, heads: tuple, state, planes=None):
+    """A Gated DeltaNet block after its conv, token by token (callers check gated_step_runs):
+    beta = sigmoid(b), g = -exp(A_log) softplus(a + dt_bias), the l2-normed rule, then norm(o) *
+    silu(z) (norm: an RMSNorm, not zero-centred, in qkv's dtype). qkv (T, 2*hk*dk + hv*dv), a, b
+    (T, hv), z (T, hv*dv) in the model's dtype; heads (hk, hv, dk, dv); state, planes as
+    recurrent_gated_delta_rule's. Returns (T, hv*dv) in qkv's dtype, rounded where the torch
+    form rounds (bf16), so the two differ only in the last bits of their sums."""
+    T, dtype = qkv.shape[0], qkv.dtype
+    f32 = lambda t: t.float().contiguous()     # noqa: E731  (exact for bf16 values)
+    out = native.gated_delta_step(f32(qkv), heads, f32(a), f32(b), state, planes, f32(A_log), f32(dt_bias),
+                                  f32(z.reshape(T, -1)), f32(norm.weight), norm.eps,
+                                  round_bf16=dtype == torch.bfloat16)
+    return out.view(T, -1).to(dtype)
+
+
 def _gva(q, k, v):
     rep = v.shape[1] // k.shape[1]
     if rep > 1:   # older fla releases need equal q/k/v head counts
