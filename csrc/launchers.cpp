@@ -106,25 +106,35 @@ void small_m_linear_int8(std::uintptr_t x, std::uintptr_t w, std::uintptr_t scal
                                 m, n, k, num_threads);
 }
 
+namespace {
+// What gated_delta_rule and gated_delta_step both check (fn names the caller).
+void check_gdn(const std::string& fn, std::uintptr_t qkv, int64_t qkv_stride, int64_t q_off,
+               int64_t k_off, int64_t v_off, std::uintptr_t g, std::uintptr_t beta,
+               std::uintptr_t state, std::uintptr_t out, int64_t T, int64_t hk, int64_t hv,
+               int64_t dk, int64_t dv, int num_threads) {
+  if (small_m_linear_isa().empty()) throw std::runtime_error(fn + " needs AVX2 and FMA, which this CPU lacks");
+  if (T <= 0 || hk <= 0 || hv <= 0 || hv % hk != 0)
+    throw std::invalid_argument(fn + ": T, hk, hv must be positive with hv a multiple of hk, got " +
+                                std::to_string(T) + ", " + std::to_string(hk) + ", " + std::to_string(hv));
+  if (dk <= 0 || dv <= 0 || dk > 512 || dv > 512)
+    throw std::invalid_argument(fn + ": head dims must be in 1..512, got dk " + std::to_string(dk) +
+                                ", dv " + std::to_string(dv));
+  if (q_off < 0 || k_off < 0 || v_off < 0 || q_off + hk * dk > qkv_stride ||
+      k_off + hk * dk > qkv_stride || v_off + hv * dv > qkv_stride)
+    throw std::invalid_argument(fn + ": q, k, v do not fit a qkv row of " + std::to_string(qkv_stride) +
+                                " floats");
+  if (qkv == 0 || g == 0 || beta == 0 || state == 0 || out == 0)
+    throw std::invalid_argument(fn + ": null address");
+  if (num_threads < 0) throw std::invalid_argument("num_threads must be >= 0 (0 = all cores)");
+}
+}  // namespace
+
 void gated_delta_rule(std::uintptr_t qkv, int64_t qkv_stride, int64_t q_off, int64_t k_off,
                       int64_t v_off, std::uintptr_t g, std::uintptr_t beta, std::uintptr_t state,
                       std::uintptr_t out, std::uintptr_t planes, int64_t T, int64_t hk, int64_t hv,
                       int64_t dk, int64_t dv, int num_threads) {
-  if (small_m_linear_isa().empty())
-    throw std::runtime_error("gated_delta_rule needs AVX2 and FMA, which this CPU lacks");
-  if (T <= 0 || hk <= 0 || hv <= 0 || hv % hk != 0)
-    throw std::invalid_argument("gated_delta_rule: T, hk, hv must be positive with hv a multiple of hk, got " +
-                                std::to_string(T) + ", " + std::to_string(hk) + ", " + std::to_string(hv));
-  if (dk <= 0 || dv <= 0 || dk > 512 || dv > 512)
-    throw std::invalid_argument("gated_delta_rule: head dims must be in 1..512, got dk " +
-                                std::to_string(dk) + ", dv " + std::to_string(dv));
-  if (q_off < 0 || k_off < 0 || v_off < 0 || q_off + hk * dk > qkv_stride ||
-      k_off + hk * dk > qkv_stride || v_off + hv * dv > qkv_stride)
-    throw std::invalid_argument("gated_delta_rule: q, k, v do not fit a qkv row of " +
-                                std::to_string(qkv_stride) + " floats");
-  if (qkv == 0 || g == 0 || beta == 0 || state == 0 || out == 0)
-    throw std::invalid_argument("gated_delta_rule: null address");
-  if (num_threads < 0) throw std::invalid_argument("num_threads must be >= 0 (0 = all cores)");
+  check_gdn("gated_delta_rule", qkv, qkv_stride, q_off, k_off, v_off, g, beta, state, out, T, hk, hv,
+            dk, dv, num_threads);
   const GdnArgs a{reinterpret_cast<const float*>(qkv), qkv_stride, q_off, k_off, v_off,
                   reinterpret_cast<const float*>(g), reinterpret_cast<const float*>(beta),
                   reinterpret_cast<float*>(state), reinterpret_cast<float*>(out),
@@ -145,22 +155,8 @@ void gated_delta_step(std::uintptr_t qkv, int64_t qkv_stride, int64_t q_off, int
   const GdnGate gate{reinterpret_cast<const float*>(a_log), reinterpret_cast<const float*>(dt_bias),
                      reinterpret_cast<const float*>(z), reinterpret_cast<const float*>(norm_w),
                      static_cast<float>(eps), round_bf16};
-  // the rule's checks, then the same call with the gate
-  if (small_m_linear_isa().empty())
-    throw std::runtime_error("gated_delta_step needs AVX2 and FMA, which this CPU lacks");
-  if (T <= 0 || hk <= 0 || hv <= 0 || hv % hk != 0)
-    throw std::invalid_argument("gated_delta_step: T, hk, hv must be positive with hv a multiple of hk, got " +
-                                std::to_string(T) + ", " + std::to_string(hk) + ", " + std::to_string(hv));
-  if (dk <= 0 || dv <= 0 || dk > 512 || dv > 512)
-    throw std::invalid_argument("gated_delta_step: head dims must be in 1..512, got dk " +
-                                std::to_string(dk) + ", dv " + std::to_string(dv));
-  if (q_off < 0 || k_off < 0 || v_off < 0 || q_off + hk * dk > qkv_stride ||
-      k_off + hk * dk > qkv_stride || v_off + hv * dv > qkv_stride)
-    throw std::invalid_argument("gated_delta_step: q, k, v do not fit a qkv row of " +
-                                std::to_string(qkv_stride) + " floats");
-  if (qkv == 0 || a == 0 || b == 0 || state == 0 || out == 0)
-    throw std::invalid_argument("gated_delta_step: null address");
-  if (num_threads < 0) throw std::invalid_argument("num_threads must be >= 0 (0 = all cores)");
+  check_gdn("gated_delta_step", qkv, qkv_stride, q_off, k_off, v_off, a, b, state, out, T, hk, hv, dk,
+            dv, num_threads);
   const GdnArgs args{reinterpret_cast<const float*>(qkv), qkv_stride, q_off, k_off, v_off,
                      reinterpret_cast<const float*>(a), reinterpret_cast<const float*>(b),
                      reinterpret_cast<float*>(state), reinterpret_cast<float*>(out),
