@@ -156,8 +156,8 @@ def assign_weights(net, path: Path, device, dtype, weights: str = "float") -> st
                 tensors.append((name, t))
                 want = torch.float32 if any(ours.endswith(s) for s in fp32) else dtype
                 # copy=True: the model owns its weights. A tensor safetensors hands out in the
-                # file's dtype is a view of the mapped file (a bf16 step streamed it ~6% slower
-                # than owned memory), and would see the file rewritten under it
+                # file's dtype is a view of the mapped file (slower to stream than owned
+                # memory), and would see the file rewritten under it
                 loaded[ours] = (quantize_int8(t.to(device)) if ours in to_int8
                                 else t.to(device=device, dtype=want, copy=True))
     missing = sorted(set(expected) - set(loaded) - net.optional_weights(set(loaded)))
