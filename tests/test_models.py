@@ -85,6 +85,75 @@ def test_flashrt_kernel_dispatch_bf16(monkeypatch):
 
 
 @pytest.mark.skipif(not native.SMALL_M_LINEAR, reason="small-M kernel does not run here")
+@pytest.mark.parametrize("fmt", ["float32", "bfloat16", "int8"])
+def test_linear_pack_is_its_members_bitwise(fmt, monkeypatch):
+    """A LinearPack on the small-M kernel: one call over the concatenated rows (counted) whose
+    outputs are bitwise its members' own (a bias too); the members' weights become views of the
+    pack and keep their names; more rows than the kernel takes, or a member weight replaced
+    after packing, run the members one by one (still right)."""
+    from flashrt.nn.linear import Linear, LinearPack, quantize_int8, small_m_rows
+    g = torch.Generator().manual_seed(6)
+    dtype = torch.bfloat16 if fmt == "bfloat16" else torch.float32
+    parent = torch.nn.Module()
+    for name, out in (("a", 40), ("b", 8), ("c", 24)):
+        m = Linear(32, out, bias=fmt == "float32")
+        with torch.no_grad():
+            m.weight = torch.nn.Parameter(torch.randn(out, 32, generator=g).to(dtype), requires_grad=False)
+            if m.bias is not None:
+                m.bias = torch.nn.Parameter(torch.randn(out, generator=g), requires_grad=False)
+        if fmt == "int8":
+            m.weight = quantize_int8(m.weight)
+        m.kernel = "flashrt"
+        setattr(parent, name, m)
+    parent.abc = LinearPack(parent.a, parent.b, parent.c)
+    names = sorted(parent.state_dict())
+    hi = small_m_rows("flashrt", torch.int8 if fmt == "int8" else dtype)[1]
+    xs = {m: torch.randn(m, 32, generator=g).to(dtype) for m in (1, 3, hi + 1)}
+    want = {m: [parent.a(x), parent.b(x), parent.c(x)] for m, x in xs.items()}
+    assert parent.abc.pack() and sorted(parent.state_dict()) == names
+    packed = parent.abc.packed
+    assert packed.shape == (72, 32) and parent.b.weight.data_ptr() == packed[40].data_ptr()
+    calls = []
+    for fn in ("small_m_linear", "small_m_linear_int8", "gemv_bf16"):
+        monkeypatch.setattr(native, fn, (lambda f: lambda x, *a: calls.append(x.shape[0]) or f(x, *a))(
+            getattr(native, fn)))
+    for m, x in xs.items():
+        calls.clear()
+        got = parent.abc(x)
+        assert all(torch.equal(u, v) for u, v in zip(got, want[m])), m
+        assert calls == ([m] if m <= hi else []), (m, calls)
+    parent.b.weight = torch.nn.Parameter(parent.b.weight.detach().clone(), requires_grad=False) \
+        if fmt != "int8" else quantize_int8(torch.randn(8, 32, generator=g))
+    calls.clear()
+    got = parent.abc(xs[1])
+    assert len(calls) == 3 and torch.equal(got[1], parent.b(xs[1])) and torch.equal(got[0], want[1][0])
+
+
+def test_loaded_models_pack_their_projections(runtime):
+    """Loaded on the CPU under the small-M kernel, every family's q/k/v, gate/up (and Qwen3.5's
+    four Gated DeltaNet inputs) are packed; the parameter names are the checkpoint's, and a run
+    with the packs undone gives the same logits bit for bit."""
+    from flashrt.nn.linear import LinearPack
+    for arch in ARCHS:
+        rt = runtime(arch)
+        packs = [m for m in rt.net.modules() if isinstance(m, LinearPack)]
+        if not native.SMALL_M_LINEAR:
+            assert all(p.packed is None for p in packs)
+            continue
+        assert packs and all(p.packed is not None for p in packs), arch
+        assert not any("abc" in n or ".qkv." in n or "gate_up" in n for n in rt.net.state_dict())
+        ids = _ids(12, seed=7)
+        rt.prefill(ids)
+        cap = rt.snapshot()
+        on = [rt.decode(t) for t in (5, 9, 11)]
+        for p in packs:
+            p.views = (0,) * len(p.views)      # no member views the pack: each runs alone
+        rt.restore(cap)
+        off = [rt.decode(t) for t in (5, 9, 11)]
+        assert all(torch.equal(a, b) for a, b in zip(on, off)), arch
+
+
+@pytest.mark.skipif(not native.SMALL_M_LINEAR, reason="small-M kernel does not run here")
 def test_widen_kernel_dispatch(monkeypatch):
     """WIDEN (bf16 where oneDNN has none; forced here, oneDNN float32 runs everywhere): 1..32
     rows on the small-M kernel (counted), more rows bitwise oneDNN's float32 product of the

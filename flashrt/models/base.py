@@ -10,7 +10,7 @@ from flashrt.core.rng import normal  # noqa: F401
 from flashrt.core.step import StepCtx  # noqa: F401
 from flashrt.nn.layers import (QKNormAttention, RMSNorm, Rotary, SwiGLU, apply_rotary,  # noqa: F401
                                attend_cached, depthwise_causal_conv, rotary_tables, rotate)
-from flashrt.nn.linear import Linear, linear  # noqa: F401
+from flashrt.nn.linear import Linear, LinearPack, linear  # noqa: F401
 from flashrt.nn.linear_attn import (causal_conv, chunk_gated_delta_rule, fast_kernels,  # noqa: F401
                                     gated_delta_block, gated_step_runs, recurrent_gated_delta_rule)
 

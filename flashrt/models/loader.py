@@ -17,7 +17,7 @@ from safetensors import safe_open
 
 from flashrt.errors import ConfigError, WeightError
 from flashrt.nn.linear import (INT8_K_MULTIPLE, WEIGHT_FORMATS, Int8Embedding, Int8Weight, Linear,
-                               quantize_int8, select_linear_kernel)
+                               pack_linears, quantize_int8, select_linear_kernel)
 from .registry import model_module
 from .tokenizer import load_tokenizer
 
@@ -111,6 +111,7 @@ def load_model(path, device="cpu", dtype=None, linear_kernel: str = "auto",
     digest = assign_weights(net, path, device, dtype, weights)
     net.eval()
     kernel = select_linear_kernel(net, device, dtype, linear_kernel)
+    pack_linears(net)       # after the kernel: packs only where the small-M kernel runs
     info_file = path / "flashrt_checkpoint.json"
     info = json.loads(info_file.read_text()) if info_file.exists() else {}
     return LoadedModel(path, net, net.model_type, hf, dtype, device,

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .base import (BufferSpec, CausalLM, InputSpec, Linear, RMSNorm, Rotary, StepCtx, SwiGLU,
+from .base import (BufferSpec, CausalLM, InputSpec, Linear, LinearPack, RMSNorm, Rotary, StepCtx, SwiGLU,
                    apply_rotary, attend_cached, causal_conv, check, chunk_gated_delta_rule,
                    fast_kernels, gated_delta_block, gated_step_runs, recurrent_gated_delta_rule,
                    require)
@@ -118,6 +118,7 @@ class Attention(nn.Module):
         self.q_proj = Linear(c.hidden_size, self.h * self.d * (2 if self.gated else 1), bias=False)
         self.k_proj = Linear(c.hidden_size, self.kv * self.d, bias=False)
         self.v_proj = Linear(c.hidden_size, self.kv * self.d, bias=False)
+        self.qkv = LinearPack(self.q_proj, self.k_proj, self.v_proj)
         self.o_proj = Linear(self.h * self.d, c.hidden_size, bias=False)
         self.q_norm = RMSNorm(self.d, c.rms_norm_eps, zero_centred=True)
         self.k_norm = RMSNorm(self.d, c.rms_norm_eps, zero_centred=True)
@@ -125,12 +126,12 @@ class Attention(nn.Module):
 
     def forward(self, x, ctx: StepCtx, state, cos, sin):
         T = x.shape[0]                                           # x: (T, hidden)
-        q = self.q_proj(x)
+        q, k, v = self.qkv(x)
         if self.gated:   # per head: [query (d) | gate (d)]
             q, gate = q.view(T, self.h, 2 * self.d).chunk(2, dim=-1)
         q = self.q_norm(q.reshape(T, self.h, self.d))
-        k = self.k_norm(self.k_proj(x).view(T, self.kv, self.d))
-        v = self.v_proj(x).view(T, self.kv, self.d)
+        k = self.k_norm(k.view(T, self.kv, self.d))
+        v = v.view(T, self.kv, self.d)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         o = attend_cached(q, k, v, state[self.k_name], state[self.v_name], ctx, self.d ** -0.5)
         o = o.reshape(T, self.h * self.d)
@@ -152,6 +153,7 @@ class GatedDeltaNet(nn.Module):
         self.in_proj_z = Linear(c.hidden_size, self.value_dim, bias=False)
         self.in_proj_b = Linear(c.hidden_size, self.hv, bias=False)
         self.in_proj_a = Linear(c.hidden_size, self.hv, bias=False)
+        self.in_proj = LinearPack(self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a)
         self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, K, groups=self.conv_dim, bias=False)
         self.A_log = nn.Parameter(torch.empty(self.hv))          # fp32 (Model.fp32_params)
         self.dt_bias = nn.Parameter(torch.empty(self.hv))        # fp32
@@ -166,26 +168,26 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, x, ctx: StepCtx, state):
         T, planes = x.shape[0], ctx.planes or {}                 # x: (T, hidden)
-        qkv = causal_conv(self.in_proj_qkv(x), state[self.conv_name], self.conv1d.weight[:, 0],
+        qkv, z, b, a = self.in_proj(x)
+        qkv = causal_conv(qkv, state[self.conv_name], self.conv1d.weight[:, 0],
                           self.fast_conv, planes.get(self.conv_name))   # (T, conv_dim)
         rec = state[self.rec_name]
         if (T == 1 or self.rec_name in planes) and gated_step_runs(rec, self.fast_rule) \
                 and self.norm.weight.dtype == qkv.dtype:
             # per token on the CPU: decay, beta, rule and gated norm in one extension call
-            o = gated_delta_block(qkv, self.in_proj_a(x), self.in_proj_b(x), self.in_proj_z(x), self.A_log,
-                                  self.dt_bias, self.norm, (self.hk, self.hv, self.dk, self.dv), rec,
-                                  planes.get(self.rec_name))
+            o = gated_delta_block(qkv, a, b, z, self.A_log, self.dt_bias, self.norm,
+                                  (self.hk, self.hv, self.dk, self.dv), rec, planes.get(self.rec_name))
             return self.out_proj(o)
         q, k, v = qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q, k = q.reshape(T, self.hk, self.dk), k.reshape(T, self.hk, self.dk)
         v = v.reshape(T, self.hv, self.dv)
-        beta = self.in_proj_b(x).sigmoid()                       # (T, hv)
-        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
+        beta = b.sigmoid()                                       # (T, hv)
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
         if T == 1 or self.rec_name in planes:     # per token: the state after each one exists
             o = recurrent_gated_delta_rule(q, k, v, g, beta, rec, self.fast_rule, planes.get(self.rec_name))
         else:
             o = chunk_gated_delta_rule(q, k, v, g, beta, rec, fast=self.fast_rule)   # (T, hv, dv)
-        z = self.in_proj_z(x).view(T, self.hv, self.dv)
+        z = z.view(T, self.hv, self.dv)
         o = (self.norm(o) * F.silu(z.float())).to(x.dtype)      # norm(o) * silu(z), fp32 gate
         return self.out_proj(o.reshape(T, self.value_dim))
 

@@ -18,7 +18,7 @@ from torch import nn
 from flashrt import native
 from flashrt.core.step import StepCtx
 
-from .linear import Linear
+from .linear import Linear, LinearPack
 
 class RMSNorm(nn.Module):
     """RMSNorm in fp32. zero_centred: weight stored as w - 1 (Qwen3.5), scale applied in fp32."""
@@ -233,6 +233,7 @@ class QKNormAttention(nn.Module):
         self.q_proj = Linear(hidden, heads * head_dim, bias=False)
         self.k_proj = Linear(hidden, kv_heads * head_dim, bias=False)
         self.v_proj = Linear(hidden, kv_heads * head_dim, bias=False)
+        self.qkv = LinearPack(self.q_proj, self.k_proj, self.v_proj)
         setattr(self, out_name, Linear(heads * head_dim, hidden, bias=False))
         for n in norm_names:
             setattr(self, n, RMSNorm(head_dim, eps))
@@ -242,9 +243,9 @@ class QKNormAttention(nn.Module):
     def forward(self, x, ctx: StepCtx, state, cos, sin):
         T = x.shape[0]                                           # x: (T, hidden)
         out, qn, kn = (getattr(self, n) for n in self.names)
-        q = qn(self.q_proj(x).view(T, self.h, self.d))
-        k = kn(self.k_proj(x).view(T, self.kv, self.d))
-        v = self.v_proj(x).view(T, self.kv, self.d)
+        q, k, v = self.qkv(x)
+        q, k = qn(q.view(T, self.h, self.d)), kn(k.view(T, self.kv, self.d))
+        v = v.view(T, self.kv, self.d)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         o = attend_cached(q, k, v, state[self.k_name], state[self.v_name], ctx, self.d ** -0.5)
         return out(o.reshape(T, self.h * self.d))
@@ -256,7 +257,8 @@ class SwiGLU(nn.Module):
         self.names = names
         for n, (i, o) in zip(names, ((dim, hidden), (dim, hidden), (hidden, dim))):
             setattr(self, n, Linear(i, o, bias=False))
+        self.gate_up = LinearPack(getattr(self, names[0]), getattr(self, names[1]))
 
     def forward(self, x):
-        gate, up, down = (getattr(self, n) for n in self.names)
-        return down(F.silu(gate(x)) * up(x))
+        gate, up = self.gate_up(x)
+        return getattr(self, self.names[2])(F.silu(gate) * up)

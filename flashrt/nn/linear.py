@@ -182,6 +182,66 @@ class Linear(nn.Linear):
         return linear(x, self.weight, self.bias, self.kernel)
 
 
+class LinearPack(nn.Module):
+    """Linears that read one input (q/k/v, gate/up, Gated DeltaNet's four input projections),
+    run as one matmul over their concatenated rows where the small-M kernel takes the step:
+    a decode step then streams one weight per pack, not one per member, and makes one call.
+    The members keep their parameters and checkpoint names (they are not submodules here);
+    pack_linears makes their weights views of the pack's (sum of outs, in) tensor. Each output
+    is the same sum either way (the kernel's sums are per row), so the results are the members'
+    bits. A member whose weight no longer views the pack (moved, replaced) runs on its own."""
+
+    def __init__(self, *members: Linear):
+        super().__init__()
+        object.__setattr__(self, "members", members)   # plain tuple: no second state-dict name
+        self.packed = self.packed_bias = None          # plain tensors, set by pack()
+        self.views: tuple = ()                         # the members' weight data_ptrs when packed
+        self.sizes = [m.out_features for m in members]
+
+    def pack(self) -> bool:
+        """Concatenate the members' weights (and biases) and make theirs views of the result;
+        only on the CPU under a small-M kernel, for members alike in input width, dtype and
+        bias. Returns whether it packed."""
+        ms = self.members
+        ws = [m.weight for m in ms]
+        alike = (len({(w.dtype, w.shape[1], w.device.type, m.kernel, m.bias is None)
+                      for w, m in zip(ws, ms)}) == 1 and all(w.is_contiguous() for w in ws))
+        if not alike or ws[0].device.type != "cpu" or small_m_rows(ms[0].kernel, ws[0].dtype)[1] < 1:
+            return False
+        with torch.no_grad():
+            if isinstance(ws[0], Int8Weight):
+                q, s = torch.cat([w.data for w in ws]), torch.cat([w.scale for w in ws])
+                packed = Int8Weight(q, s)
+                parts = [Int8Weight(a, b) for a, b in zip(q.split(self.sizes), s.split(self.sizes))]
+            else:
+                packed = torch.cat([w.data for w in ws])
+                parts = [nn.Parameter(a, requires_grad=False) for a in packed.split(self.sizes)]
+            if ms[0].bias is not None:
+                object.__setattr__(self, "packed_bias", torch.cat([m.bias.data for m in ms]))
+                for m, b in zip(ms, self.packed_bias.split(self.sizes)):
+                    m.bias = nn.Parameter(b, requires_grad=False)
+        object.__setattr__(self, "packed", packed)   # not a parameter of this module
+        for m, p in zip(ms, parts):
+            m.weight = p
+        self.views = tuple(m.weight.data_ptr() for m in ms)
+        return True
+
+    def forward(self, x: torch.Tensor) -> list:
+        """[member(x) for each member]: (T, in) -> [(T, out_i)]."""
+        ms, w = self.members, self.packed
+        lo, hi = small_m_rows(ms[0].kernel, w.dtype) if w is not None else (1, 0)
+        if (not lo <= x.shape[0] <= hi or x.dim() != 2 or torch.compiler.is_compiling()
+                or any(m.weight.data_ptr() != p for m, p in zip(ms, self.views))):
+            return [m(x) for m in ms]
+        ys = linear(x, w, self.packed_bias, ms[0].kernel).split(self.sizes, dim=-1)
+        return list(ys) if x.shape[0] == 1 else [y.contiguous() for y in ys]   # (1, n): contiguous
+
+
+def pack_linears(net: nn.Module) -> int:
+    """pack() every LinearPack in `net` (after its weights and kernel are set); returns how many packed."""
+    return sum(m.pack() for m in net.modules() if isinstance(m, LinearPack))
+
+
 def select_linear_kernel(net: nn.Module, device: torch.device, dtype: torch.dtype, want: str = "auto") -> str:
     """Set the kernel of every Linear in `net` (and `net.linear_kernel`, for heads); returns it.
 
