@@ -4,10 +4,12 @@ to the bytes each group must stream and the GB/s it reaches.
 One step = what generate() does per token on the CPU: sample the next token from the last
 logits (greedy), then run it through the model at the session's position. Groups:
 
-  projections    q/k/v/o of the attention layers and Gated DeltaNet's in/out projections
-  MLP            gate/up/down
+  projections    q/k/v/o of the attention layers and Gated DeltaNet's in/out projections (a
+                 LinearPack's one call for q/k/v or the four GDN inputs)
+  MLP            gate/up/down (gate/up one LinearPack call)
   vocab head     the (vocab, hidden) head over the last hidden state
-  GDN rule       Gated DeltaNet's per-token recurrent update (nn/linear_attn.py)
+  GDN rule       Gated DeltaNet's per-token recurrent update (nn/linear_attn.py; on the CPU its
+                 gated block: decay, beta, rule and the output's gated norm in one call)
   conv           the causal depthwise conv of Gated DeltaNet's qkv (and its state shift)
   attention      K/V written into the arena, then SDPA over the live rows
   rope, norms    rotary embedding; RMSNorms (q/k norms, layer norms, GDN's gated norm)
@@ -40,7 +42,7 @@ from bench import common as C  # noqa: E402
 
 GROUPS = ("projections", "MLP", "vocab head", "GDN rule", "conv", "attention", "rope", "norms",
           "sampling", "other ops")      # "other ops": aten ops under no group (ops count only)
-MLP_NAMES = ("gate_proj", "up_proj", "down_proj")
+MLP_NAMES = ("gate_proj", "up_proj", "down_proj", "gate_up")    # gate_up: the gate/up LinearPack
 # format name -> (activation dtype, weights): int8 runs float32 activations (see bench/decode.py)
 FORMATS = {"float32": ("float32", "float"), "bfloat16": ("bfloat16", "float"),
            "int8": ("float32", "int8")}
@@ -166,7 +168,7 @@ def labels(rt, wrap=profiled):
     import flashrt.models.qwen3_5 as q35
     import flashrt.native as native
     from flashrt.nn.layers import RMSNorm
-    from flashrt.nn.linear import Linear
+    from flashrt.nn.linear import Linear, LinearPack
     net, undo = rt.net, []
 
     def swap(obj, attr, label, instance=False):
@@ -174,11 +176,12 @@ def labels(rt, wrap=profiled):
         setattr(obj, attr, (wrap if label != "kernel" else profiled)(old, label))
         undo.append((obj, attr, None if instance else old))
     for name, m in net.named_modules():
-        if isinstance(m, Linear):
+        if isinstance(m, (Linear, LinearPack)):     # a pack: its members' one call
             swap(m, "forward", group_of_linear(name), instance=True)
         elif isinstance(m, RMSNorm):
             swap(m, "forward", "norms", instance=True)
     for fn, label in (("causal_conv", "conv"), ("recurrent_gated_delta_rule", "GDN rule"),
+                      ("gated_delta_block", "GDN rule"),
                       ("chunk_gated_delta_rule", "GDN rule"), ("attend_cached", "attention"),
                       ("apply_rotary", "rope")):
         swap(q35, fn, label)
@@ -186,7 +189,8 @@ def labels(rt, wrap=profiled):
     swap(net.rotary, "forward", "rope", instance=True)
     swap(rt, "sample", "sampling", instance=True)
     if wrap is profiled:
-        swap(native, "small_m_linear", "kernel")
+        for fn in ("small_m_linear", "small_m_linear_int8", "gemv_bf16"):
+            swap(native, fn, "kernel")
     try:
         yield
     finally:

@@ -66,7 +66,17 @@ PYBIND11_MODULE(_C, m) {
         py::arg("bf16_kv") = false, py::arg("num_threads") = 0,
         "One query's attention at host addresses: out (hq, d) = softmax(scale q K^T) V per query "
         "head over L rows of (hkv, d) float32 (bf16 where bf16_kv) K/V; q, out float32.");
+  m.def("rms_norm", &flashrt::launch::rms_norm, py::arg("x"), py::arg("w"), py::arg("y"), py::arg("M"),
+        py::arg("D"), py::arg("eps"), py::arg("zero_centred"), py::arg("bf16_x") = false,
+        py::arg("bf16_w") = false, py::arg("num_threads") = 0,
+        "RMSNorm of M rows of D at host addresses: y = x / rms(x) * (1 + w if zero_centred else w); "
+        "x, y float32 (bf16 where bf16_x, rounded as the torch form rounds), w float32 or bf16.");
 #endif
+  m.def("causal_conv", &flashrt::launch::causal_conv, py::arg("x"), py::arg("w"), py::arg("state"),
+        py::arg("planes"), py::arg("y"), py::arg("T"), py::arg("C"), py::arg("K"), py::arg("bf16") = false,
+        "y (T, C) = silu(depthwise causal conv of x (T, C) with w (C, K), state (C, K-1) the left "
+        "context, advanced in place) at host addresses, float32 (bf16 where bf16, rounded as its "
+        "torch form rounds); planes (T, C, K-1) the state after each row, or 0.");
   m.def("small_m_linear_isa", &flashrt::launch::small_m_linear_isa,
         "'avx2-fma' where small_m_linear runs on this CPU, '' otherwise.");
   m.def("small_m_linear_weight_dtypes", &flashrt::launch::small_m_linear_weight_dtypes,

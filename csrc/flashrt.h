@@ -86,6 +86,32 @@ struct DecodeAttentionArgs {
 };
 void decode_attention_cpu(const DecodeAttentionArgs& args, int num_threads);
 
+// RMSNorm of M rows of D (norm_cpu.cpp; x86-64 AVX2 + FMA builds): x and y float32 or bf16
+// (bf16_x), w (D,) float32 or bf16 (bf16_w); y = x / rms(x) * (zero_centred ? 1 + w : w).
+struct RmsNormArgs {
+  const void* x;
+  const void* w;
+  void* y;
+  int64_t M, D;
+  float eps;
+  bool zero_centred, bf16_x, bf16_w;
+};
+void rms_norm_cpu(const RmsNormArgs& args, int num_threads);
+
+// silu(depthwise causal conv) of T rows of C channels (conv_cpu.cpp; x86-64 builds), one dtype
+// for all (float32, or bf16 where bf16): x (T, C), w (C, K), state (C, K-1) the left context,
+// updated in place; y (T, C); planes (T, C, K-1), the state after each row, or null.
+struct CausalConvArgs {
+  const void* x;
+  const void* w;
+  void* state;
+  void* planes;
+  void* y;
+  int64_t T, C, K;
+  bool bf16;
+};
+void causal_conv_cpu(const CausalConvArgs& args);
+
 // Whether this process was forked after the module loaded (libgomp's threads are then gone:
 // parallel regions must not run; see segcopy_cpu.cpp).
 bool forked_after_load();

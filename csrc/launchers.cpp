@@ -184,9 +184,36 @@ void decode_attention(std::uintptr_t q, std::uintptr_t k, std::uintptr_t v, std:
   py::gil_scoped_release nogil;  // the caller holds the tensors
   decode_attention_cpu(a, num_threads);
 }
+void rms_norm(std::uintptr_t x, std::uintptr_t w, std::uintptr_t y, int64_t M, int64_t D, double eps,
+              bool zero_centred, bool bf16_x, bool bf16_w, int num_threads) {
+  if (small_m_linear_isa().empty()) throw std::runtime_error("rms_norm needs AVX2 and FMA, which this CPU lacks");
+  if (M <= 0 || D <= 0)
+    throw std::invalid_argument("rms_norm: M and D must be positive, got " + std::to_string(M) + ", " +
+                                std::to_string(D));
+  if (!(eps >= 0)) throw std::invalid_argument("rms_norm: eps must be >= 0");
+  if (x == 0 || w == 0 || y == 0) throw std::invalid_argument("rms_norm: null address");
+  if (num_threads < 0) throw std::invalid_argument("num_threads must be >= 0 (0 = all cores)");
+  const RmsNormArgs a{reinterpret_cast<const void*>(x), reinterpret_cast<const void*>(w),
+                      reinterpret_cast<void*>(y), M, D, static_cast<float>(eps), zero_centred, bf16_x, bf16_w};
+  py::gil_scoped_release nogil;  // the caller holds the tensors
+  rms_norm_cpu(a, num_threads);
+}
 #else
 std::string small_m_linear_isa() { return ""; }
 #endif
+
+void causal_conv(std::uintptr_t x, std::uintptr_t w, std::uintptr_t state, std::uintptr_t planes,
+                 std::uintptr_t y, int64_t T, int64_t C, int64_t K, bool bf16) {
+  if (T <= 0 || C <= 0 || K < 2 || K > 64)
+    throw std::invalid_argument("causal_conv: T, C must be positive and K in 2..64, got " + std::to_string(T) +
+                                ", " + std::to_string(C) + ", " + std::to_string(K));
+  if (x == 0 || w == 0 || state == 0 || y == 0) throw std::invalid_argument("causal_conv: null address");
+  const CausalConvArgs a{reinterpret_cast<const void*>(x), reinterpret_cast<const void*>(w),
+                         reinterpret_cast<void*>(state), reinterpret_cast<void*>(planes),
+                         reinterpret_cast<void*>(y), T, C, K, bf16};
+  py::gil_scoped_release nogil;  // the caller holds the tensors
+  causal_conv_cpu(a);
+}
 
 std::vector<std::string> small_m_linear_weight_dtypes() { return {"float32", "bfloat16", "int8"}; }
 

@@ -339,6 +339,129 @@ def test_decode_attention_refuses_bad_arguments():
         native._C.decode_attention(q.data_ptr(), k.data_ptr(), k.data_ptr(), q.data_ptr(), 5, 4, 2, 12, 0.25)
 
 
+# --------------------------------------------------------------------------- RMSNorm over rows
+
+needs_norm = pytest.mark.skipif(not native.RMS_NORM, reason="the RMSNorm kernel needs the extension "
+                                "on x86-64 AVX2 + FMA")
+
+
+def _norm_torch_form(x, w, eps, zero_centred):
+    """nn.layers.RMSNorm's torch form (the kernel off)."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return (h * (1.0 + w.float())).to(x.dtype) if zero_centred else w * h.to(x.dtype)
+
+
+@needs_norm
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("zero_centred", [False, True])
+@pytest.mark.parametrize("m, d", [(1, 1024), (3, 37), (300, 256)])
+def test_rms_norm_matches_the_torch_form(dtype, zero_centred, m, d):
+    """Against the torch form in the same dtype: float32 within 2 ulps (only the sum of squares
+    is added in another order); bf16, rounded at the same steps, within one bf16 rounding and
+    nearly every value equal. The rows do not depend on the thread count (300 rows: split)."""
+    g = torch.Generator().manual_seed(m * d)
+    x = (torch.randn(m, d, generator=g) * torch.logspace(-3, 2, m)[:, None]).to(dtype)
+    w = (0.1 * torch.randn(d, generator=g) + (0 if zero_centred else 1)).to(dtype)
+    got, ref = native.rms_norm(x, w, 1e-6, zero_centred), _norm_torch_form(x, w, 1e-6, zero_centred)
+    assert got.dtype == dtype and got.shape == (m, d)
+    tol = 3e-7 if dtype == torch.float32 else 2 ** -7
+    torch.testing.assert_close(got.float(), ref.float(), rtol=tol, atol=tol * float(ref.abs().max()))
+    if dtype == torch.bfloat16:
+        assert (got == ref).float().mean() > 0.95
+    one = torch.empty_like(x)
+    native._C.rms_norm(x.data_ptr(), w.data_ptr(), one.data_ptr(), m, d, 1e-6, zero_centred,
+                       dtype == torch.bfloat16, dtype == torch.bfloat16, 1)
+    assert torch.equal(one, got)
+    assert torch.equal(native.rms_norm(x[:1].contiguous(), w, 1e-6, zero_centred), got[:1])
+
+
+@needs_norm
+def test_rms_norm_module_takes_the_kernel_for_cpu_rows(monkeypatch):
+    """RMSNorm.forward: float32 and bf16 rows on the CPU go to the kernel (counted), any leading
+    shape; the module's torch form (kernel off) agrees."""
+    from flashrt.nn.layers import RMSNorm
+    calls = []
+    kernel = native.rms_norm
+    monkeypatch.setattr(native, "rms_norm", lambda x, *a: calls.append(tuple(x.shape)) or kernel(x, *a))
+    norm = RMSNorm(16, 1e-6, zero_centred=True)
+    norm.weight.data = torch.randn(16, generator=torch.Generator().manual_seed(2))
+    x = torch.randn(2, 3, 16, generator=torch.Generator().manual_seed(3))
+    y = norm(x)
+    assert calls == [(6, 16)] and y.shape == x.shape
+    monkeypatch.setattr(native, "RMS_NORM", False)
+    torch.testing.assert_close(y, norm(x), rtol=3e-7, atol=1e-6)
+    assert calls == [(6, 16)]
+
+
+@needs_norm
+def test_rms_norm_refuses_bad_arguments():
+    x, w = torch.randn(2, 8), torch.ones(8)
+    for args, msg in [((x.double(), w), "x must be"), ((x, w.bfloat16()), "w must be"),
+                      ((x, torch.ones(9)), "do not fit"), ((x.t(), w), "not contiguous"),
+                      ((x[:0], w), "do not fit"), ((x.bfloat16(), w.half()), "w must be")]:
+        with pytest.raises(ValueError, match=msg):
+            native.rms_norm(*args, 1e-6, False)
+    with pytest.raises(ValueError, match="eps must be"):
+        native._C.rms_norm(x.data_ptr(), w.data_ptr(), x.data_ptr(), 2, 8, -1.0, False)
+    with pytest.raises(ValueError, match="M and D must be positive"):
+        native._C.rms_norm(x.data_ptr(), w.data_ptr(), x.data_ptr(), 0, 8, 1e-6, False)
+
+
+# --------------------------------------------------------------------------- causal conv
+
+needs_conv = pytest.mark.skipif(not native.CAUSAL_CONV, reason=native.ext_status())
+
+
+@needs_conv
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T, K", [(1, 4), (3, 4), (5, 2)])
+def test_causal_conv_matches_the_torch_form(dtype, T, K):
+    """silu(conv) against nn.linear_attn.causal_conv's torch form (the kernel off), in the
+    model's dtype: float32 within 1e-6 (silu's exp is another library's), bf16 rounded at the
+    same steps: within one rounding, nearly every value equal; the state and the planes (the
+    inputs moved along) bitwise. T rows in one call are T calls of one row, bit for bit."""
+    from flashrt.nn import linear_attn as LA
+    C = 40
+    g = torch.Generator().manual_seed(T * K)
+    x = torch.randn(T, C, generator=g).to(dtype)
+    w = (0.5 * torch.randn(C, K, generator=g)).to(dtype)
+    state = torch.randn(C, K - 1, generator=g).to(dtype)
+    s_ref, p_ref = state.clone(), torch.empty(T, C, K - 1, dtype=dtype)
+    was = native.CAUSAL_CONV
+    try:
+        native.CAUSAL_CONV = False
+        ref = LA.causal_conv(x, s_ref, w, planes=p_ref)
+    finally:
+        native.CAUSAL_CONV = was
+    s_got, p_got = state.clone(), torch.empty(T, C, K - 1, dtype=dtype)
+    got = LA.causal_conv(x, s_got, w, planes=p_got)
+    assert got.dtype == dtype and got.shape == (T, C)
+    tol = 1e-6 if dtype == torch.float32 else 2 ** -7
+    torch.testing.assert_close(got.float(), ref.float(), rtol=tol, atol=tol)
+    if dtype == torch.bfloat16:
+        assert (got == ref).float().mean() > 0.95
+    assert torch.equal(s_got, s_ref) and torch.equal(p_got, p_ref)
+    s_one = state.clone()
+    rows = [native.causal_conv(x[t:t + 1].contiguous(), s_one, w) for t in range(T)]
+    assert torch.equal(torch.cat(rows), got) and torch.equal(s_one, s_got)
+
+
+@needs_conv
+def test_causal_conv_refuses_bad_arguments():
+    x, w, state = torch.randn(2, 8), torch.randn(8, 4), torch.randn(8, 3)
+    before = state.clone()
+    for args, msg in [((x.double(), state, w), "x must be"), ((x, state.bfloat16(), w), "state must be"),
+                      ((x, state, w[:, :1].contiguous()), "do not fit"), ((x, state[:, :2].contiguous(), w), "do not fit"),
+                      ((x, state, w, torch.empty(3, 8, 3)), "do not fit"), ((x[:0], state, w), "do not fit"),
+                      ((x, state.t().contiguous().t(), w), "not contiguous")]:
+        with pytest.raises(ValueError, match=msg):
+            native.causal_conv(*args)
+    assert torch.equal(state, before)
+    with pytest.raises(ValueError, match="K in 2..64"):
+        native._C.causal_conv(x.data_ptr(), w.data_ptr(), state.data_ptr(), 0, x.data_ptr(), 2, 8, 1)
+
+
 def _int8_weight(n, k, g):
     """(q int8 (n, k), scale bf16 (n,), the float64 weights they stand for), any k."""
     w = torch.randn(n, k, generator=g) * torch.logspace(-2, 1, n)[:, None]

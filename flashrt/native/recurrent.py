@@ -1,6 +1,7 @@
 """Gated DeltaNet's rule token by token on the CPU (csrc/gdn_cpu.cpp): a decode step's, or a
 speculative verify's with the state after each token, in one call per layer instead of ~25
-torch ops a token; gated_delta_step also takes the decay, beta and the output gated norm."""
+torch ops a token; gated_delta_step also takes the decay, beta and the output gated norm.
+causal_conv: the block's silu(conv) before the rule, its conv state advanced, in one call."""
 from __future__ import annotations
 
 import torch
@@ -78,3 +79,35 @@ def gated_delta_step(qkv: torch.Tensor, heads: tuple, a: torch.Tensor, b: torch.
                            T, hk, hv, dk, dv, a_log.data_ptr(), dt_bias.data_ptr(), z.data_ptr(),
                            norm_w.data_ptr(), float(eps), round_bf16=round_bf16)
     return out
+
+
+# silu(causal conv) in one call: scalar C++ on every CPU the extension builds for
+CAUSAL_CONV: bool = ext.HAVE_EXT and hasattr(ext.C, "causal_conv")
+
+
+def causal_conv(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor,
+                planes: torch.Tensor | None = None) -> torch.Tensor:
+    """silu(depthwise causal conv) of x (T, C) with weight (C, K), state (C, K-1) the left context,
+    advanced in place; planes (T, C, K-1) or None: also the state after each row. One dtype for
+    all, float32 or bfloat16 (rounded where nn.linear_attn.causal_conv's torch form rounds),
+    contiguous CPU tensors. Returns (T, C). Callers check CAUSAL_CONV. ValueError names a bad
+    argument."""
+    if not CAUSAL_CONV:
+        raise RuntimeError(f"causal_conv unavailable: {ext.ext_status()}")
+    fn = "causal_conv"
+    ext.check_tensor(fn, "x", x, (torch.float32, torch.bfloat16))
+    for name, t, dim in (("weight", weight, 2), ("state", state, 2)) + (
+            (("planes", planes, 3),) if planes is not None else ()):
+        ext.check_tensor(fn, name, t, (x.dtype,), dim=dim)
+    (T, C), K = x.shape, weight.shape[1]
+    if (T == 0 or K < 2 or tuple(weight.shape) != (C, K) or tuple(state.shape) != (C, K - 1)
+            or (planes is not None and tuple(planes.shape) != (T, C, K - 1))):
+        raise ValueError(f"{fn}: x {tuple(x.shape)}, weight {tuple(weight.shape)}, state "
+                         f"{tuple(state.shape)}{'' if planes is None else ', planes ' + str(tuple(planes.shape))}"
+                         " do not fit: expected x (T, C), T > 0, weight (C, K), K >= 2, state (C, K-1), "
+                         "planes (T, C, K-1)")
+    y = torch.empty_like(x)
+    ext.C.causal_conv(x.data_ptr(), weight.data_ptr(), state.data_ptr(),
+                      0 if planes is None else planes.data_ptr(), y.data_ptr(), T, C, K,
+                      bf16=x.dtype == torch.bfloat16)
+    return y

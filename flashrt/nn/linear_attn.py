@@ -67,6 +67,11 @@ def causal_conv(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor, fast
                              activation="silu")
         state.copy_(final[0])
         return out[0].t()
+    if (native.CAUSAL_CONV and x.device.type == "cpu" and not torch.compiler.is_compiling()
+            and x.dtype in (torch.float32, torch.bfloat16) and state.dtype == weight.dtype == x.dtype
+            and state.is_contiguous() and (planes is None or planes.is_contiguous())):
+        # the same form in one extension call (~10 torch ops otherwise)
+        return native.causal_conv(x.contiguous(), state, weight.contiguous(), planes)
     pl = None if planes is None else planes.transpose(1, 2)                 # (T, K-1, C) view
     return F.silu(depthwise_causal_conv(x, state.t(), weight, None, pl)).to(x.dtype)   # (T, C)
 

@@ -1,0 +1,68 @@
+// Depthwise causal conv + silu over a step's rows (conv.h's CausalConvArgs): nn.linear_attn's
+// causal_conv torch form in one call. Per channel c the window is [state[c] (K-1), x[:, c] (T)];
+//   out[t, c] = silu(sum_j window[t + j] w[c, j]), the sum from j = 0 up, each product rounded
+// then added (the torch form's mul and addcmul_); a bf16 model rounds to bf16 after each, as
+// its ops do. The state becomes the window's last K-1 inputs; planes[t] the state after row t.
+// Scalar, built for every CPU with -ffp-contract=off: no fused multiply-add.
+#include "flashrt.h"
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace flashrt {
+namespace {
+
+inline float widen(uint16_t v) {
+  const uint32_t u = static_cast<uint32_t>(v) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+inline float widen(float v) { return v; }
+// float -> bf16 as torch's CPU cast: round to nearest even, NaN as 0xffff
+inline uint16_t to_bf16(float v) {
+  uint32_t u;
+  std::memcpy(&u, &v, sizeof u);
+  return (u & 0x7fffffffu) > 0x7f800000u ? uint16_t{0xffff}
+                                        : static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+// a value as the model's dtype holds it
+inline float held(float v, const float*) { return v; }
+inline float held(float v, const uint16_t*) { return widen(to_bf16(v)); }
+inline void put(float* y, float v) { *y = v; }
+inline void put(uint16_t* y, float v) { *y = to_bf16(v); }
+
+template <typename T>
+void run(const CausalConvArgs& a) {
+  const T* x = static_cast<const T*>(a.x);
+  const T* w = static_cast<const T*>(a.w);
+  T* state = static_cast<T*>(a.state);
+  T* planes = static_cast<T*>(a.planes);
+  T* y = static_cast<T*>(a.y);
+  const int64_t C = a.C, K = a.K, T_ = a.T, S = K - 1;
+  std::vector<float> win(static_cast<size_t>(S + T_));
+  for (int64_t c = 0; c < C; ++c) {
+    for (int64_t i = 0; i < S; ++i) win[i] = widen(state[c * S + i]);
+    for (int64_t t = 0; t < T_; ++t) win[S + t] = widen(x[t * C + c]);
+    const T* wc = w + c * K;
+    for (int64_t t = 0; t < T_; ++t) {
+      float o = held(win[t] * widen(wc[0]), w);
+      for (int64_t j = 1; j < K; ++j) o = held(o + win[t + j] * widen(wc[j]), w);
+      put(y + t * C + c, held(o / (1.0f + std::exp(-o)), w));
+      if (planes)
+        for (int64_t i = 0; i < S; ++i) put(planes + (t * C + c) * S + i, win[t + 1 + i]);
+    }
+    for (int64_t i = 0; i < S; ++i) put(state + c * S + i, win[T_ + i]);
+  }
+}
+
+}  // namespace
+
+void causal_conv_cpu(const CausalConvArgs& a) {
+  if (a.bf16) return run<uint16_t>(a);
+  run<float>(a);
+}
+
+}  // namespace flashrt

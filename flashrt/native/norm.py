@@ -1,0 +1,31 @@
+"""RMSNorm over rows on the CPU (csrc/norm_cpu.cpp): nn.layers.RMSNorm's torch form in one call,
+for a step's rows, where that form is about ten ops of a few microseconds each."""
+from __future__ import annotations
+
+import torch
+
+from . import _ext as ext
+
+# Built (x86-64), the CPU has AVX2 + FMA, the build has the kernel (older sources lack it), and
+# its threads are torch's.
+RMS_NORM: bool = (ext.HAVE_EXT and bool(ext.C.small_m_linear_isa()) and ext.COPIES_ON_TORCH_THREADS
+                  and hasattr(ext.C, "rms_norm"))
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, zero_centred: bool) -> torch.Tensor:
+    """x (M, D) float32 or bfloat16, w (D,) float32 or x's dtype, contiguous CPU tensors. Returns
+    (M, D) in x's dtype: x / sqrt(mean(x^2) + eps) times (1 + w) (zero_centred) or w, in float32
+    and rounded to bf16 where the torch form rounds (plain: x / rms before the product). Callers
+    check RMS_NORM. ValueError names a bad argument."""
+    if not RMS_NORM:
+        raise RuntimeError(f"rms_norm unavailable: {ext.ext_status()}")
+    fn = "rms_norm"
+    ext.check_tensor(fn, "x", x, (torch.float32, torch.bfloat16))
+    ext.check_tensor(fn, "w", w, tuple({torch.float32, x.dtype}), dim=1)
+    if w.shape[0] != x.shape[1] or x.shape[0] == 0 or x.shape[1] == 0:
+        raise ValueError(f"{fn}: x {tuple(x.shape)} and w {tuple(w.shape)} do not fit: expected x "
+                         "(M, D) with M, D > 0 and w (D,)")
+    y = torch.empty_like(x)
+    ext.C.rms_norm(x.data_ptr(), w.data_ptr(), y.data_ptr(), x.shape[0], x.shape[1], float(eps),
+                   bool(zero_centred), bf16_x=x.dtype == torch.bfloat16, bf16_w=w.dtype == torch.bfloat16)
+    return y
