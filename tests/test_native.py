@@ -452,7 +452,8 @@ def test_causal_conv_refuses_bad_arguments():
     x, w, state = torch.randn(2, 8), torch.randn(8, 4), torch.randn(8, 3)
     before = state.clone()
     for args, msg in [((x.double(), state, w), "x must be"), ((x, state.bfloat16(), w), "state must be"),
-                      ((x, state, w[:, :1].contiguous()), "do not fit"), ((x, state[:, :2].contiguous(), w), "do not fit"),
+                      ((x, state, w[:, :1].contiguous()), "do not fit"),
+                      ((x, state[:, :2].contiguous(), w), "do not fit"),
                       ((x, state, w, torch.empty(3, 8, 3)), "do not fit"), ((x[:0], state, w), "do not fit"),
                       ((x, state.t().contiguous().t(), w), "not contiguous")]:
         with pytest.raises(ValueError, match=msg):
