@@ -71,12 +71,16 @@ PYBIND11_MODULE(_C, m) {
         py::arg("bf16_w") = false, py::arg("num_threads") = 0,
         "RMSNorm of M rows of D at host addresses: y = x / rms(x) * (1 + w if zero_centred else w); "
         "x, y float32 (bf16 where bf16_x, rounded as the torch form rounds), w float32 or bf16.");
-#endif
   m.def("causal_conv", &flashrt::launch::causal_conv, py::arg("x"), py::arg("w"), py::arg("state"),
         py::arg("planes"), py::arg("y"), py::arg("T"), py::arg("C"), py::arg("K"), py::arg("bf16") = false,
         "y (T, C) = silu(depthwise causal conv of x (T, C) with w (C, K), state (C, K-1) the left "
         "context, advanced in place) at host addresses, float32 (bf16 where bf16, rounded as its "
         "torch form rounds); planes (T, C, K-1) the state after each row, or 0.");
+  m.def("silu_mul", &flashrt::launch::silu_mul, py::arg("gate"), py::arg("up"), py::arg("y"), py::arg("M"),
+        py::arg("N"), py::arg("gate_stride"), py::arg("up_stride"), py::arg("bf16") = false,
+        "y (M, N) = silu(gate) * up at host addresses, float32 (bf16 where bf16, rounded as the two "
+        "torch ops round); gate and up rows gate_stride and up_stride elements apart.");
+#endif
   m.def("small_m_linear_isa", &flashrt::launch::small_m_linear_isa,
         "'avx2-fma' where small_m_linear runs on this CPU, '' otherwise.");
   m.def("small_m_linear_weight_dtypes", &flashrt::launch::small_m_linear_weight_dtypes,

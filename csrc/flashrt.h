@@ -112,6 +112,17 @@ struct CausalConvArgs {
 };
 void causal_conv_cpu(const CausalConvArgs& args);
 
+// y (M, N) = silu(gate) * up over M rows (activation_cpu.cpp; x86-64 AVX2 + FMA builds), one
+// dtype (float32, or bf16 where bf16); gate and up rows gate_stride and up_stride apart.
+struct SiluMulArgs {
+  const void* gate;
+  const void* up;
+  void* y;
+  int64_t M, N, gate_stride, up_stride;
+  bool bf16;
+};
+void silu_mul_cpu(const SiluMulArgs& args);
+
 // Whether this process was forked after the module loaded (libgomp's threads are then gone:
 // parallel regions must not run; see segcopy_cpu.cpp).
 bool forked_after_load();

@@ -198,12 +198,9 @@ void rms_norm(std::uintptr_t x, std::uintptr_t w, std::uintptr_t y, int64_t M, i
   py::gil_scoped_release nogil;  // the caller holds the tensors
   rms_norm_cpu(a, num_threads);
 }
-#else
-std::string small_m_linear_isa() { return ""; }
-#endif
-
 void causal_conv(std::uintptr_t x, std::uintptr_t w, std::uintptr_t state, std::uintptr_t planes,
                  std::uintptr_t y, int64_t T, int64_t C, int64_t K, bool bf16) {
+  if (small_m_linear_isa().empty()) throw std::runtime_error("causal_conv needs AVX2 and FMA, which this CPU lacks");
   if (T <= 0 || C <= 0 || K < 2 || K > 64)
     throw std::invalid_argument("causal_conv: T, C must be positive and K in 2..64, got " + std::to_string(T) +
                                 ", " + std::to_string(C) + ", " + std::to_string(K));
@@ -214,6 +211,22 @@ void causal_conv(std::uintptr_t x, std::uintptr_t w, std::uintptr_t state, std::
   py::gil_scoped_release nogil;  // the caller holds the tensors
   causal_conv_cpu(a);
 }
+void silu_mul(std::uintptr_t gate, std::uintptr_t up, std::uintptr_t y, int64_t M, int64_t N,
+              int64_t gate_stride, int64_t up_stride, bool bf16) {
+  if (small_m_linear_isa().empty()) throw std::runtime_error("silu_mul needs AVX2 and FMA, which this CPU lacks");
+  if (M <= 0 || N <= 0 || gate_stride < N || up_stride < N)
+    throw std::invalid_argument("silu_mul: M, N must be positive and the row strides at least N, got " +
+                                std::to_string(M) + ", " + std::to_string(N) + ", " + std::to_string(gate_stride) +
+                                ", " + std::to_string(up_stride));
+  if (gate == 0 || up == 0 || y == 0) throw std::invalid_argument("silu_mul: null address");
+  const SiluMulArgs a{reinterpret_cast<const void*>(gate), reinterpret_cast<const void*>(up),
+                      reinterpret_cast<void*>(y), M, N, gate_stride, up_stride, bf16};
+  py::gil_scoped_release nogil;  // the caller holds the tensors
+  silu_mul_cpu(a);
+}
+#else
+std::string small_m_linear_isa() { return ""; }
+#endif
 
 std::vector<std::string> small_m_linear_weight_dtypes() { return {"float32", "bfloat16", "int8"}; }
 

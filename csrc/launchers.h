@@ -67,12 +67,15 @@ void decode_attention(std::uintptr_t q, std::uintptr_t k, std::uintptr_t v, std:
 // RMSNorm of M rows at host addresses (flashrt::RmsNormArgs; the Python wrapper checks the tensors).
 void rms_norm(std::uintptr_t x, std::uintptr_t w, std::uintptr_t y, int64_t M, int64_t D, double eps,
               bool zero_centred, bool bf16_x, bool bf16_w, int num_threads);
-#endif
-std::string small_m_linear_isa();
 // silu(depthwise causal conv) at host addresses (flashrt::CausalConvArgs; the Python wrapper
 // checks the tensors). planes 0: none.
 void causal_conv(std::uintptr_t x, std::uintptr_t w, std::uintptr_t state, std::uintptr_t planes,
                  std::uintptr_t y, int64_t T, int64_t C, int64_t K, bool bf16);
+// silu(gate) * up at host addresses (flashrt::SiluMulArgs; the Python wrapper checks the tensors).
+void silu_mul(std::uintptr_t gate, std::uintptr_t up, std::uintptr_t y, int64_t M, int64_t N,
+              int64_t gate_stride, int64_t up_stride, bool bf16);
+#endif
+std::string small_m_linear_isa();
 // The weight dtypes small_m_linear takes (a build from older sources lacks this name).
 std::vector<std::string> small_m_linear_weight_dtypes();
 

@@ -463,6 +463,50 @@ def test_causal_conv_refuses_bad_arguments():
         native._C.causal_conv(x.data_ptr(), w.data_ptr(), state.data_ptr(), 0, x.data_ptr(), 2, 8, 1)
 
 
+# --------------------------------------------------------------------------- silu(gate) * up
+
+needs_silu_mul = pytest.mark.skipif(not native.SILU_MUL, reason="the silu*mul kernel needs the "
+                                    "extension on x86-64 AVX2 + FMA")
+
+
+@needs_silu_mul
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m, n", [(1, 3584), (3, 21), (2, 8)])
+def test_silu_mul_matches_the_torch_form(dtype, m, n):
+    """Against F.silu(gate) * up in the same dtype, gate and up halves of one (m, 2n) output (a
+    row stride, as a LinearPack leaves them): float32 within 1e-6 (another exp), bf16 rounded at
+    the same two steps: within one rounding, nearly every value equal; large |gate| and NaN as
+    torch gives them. Rows alone give the same bits."""
+    g = torch.Generator().manual_seed(m * n)
+    both = (torch.randn(m, 2 * n, generator=g) * 4).to(dtype)
+    both[0, 0], both[0, 1] = -100.0, 100.0                     # exp under- and overflow
+    both[-1, n - 1] = float("nan")
+    gate, up = both[:, :n], both[:, n:]
+    got = native.silu_mul(gate, up)
+    ref = torch.nn.functional.silu(gate) * up
+    assert got.dtype == dtype and got.shape == (m, n) and got.is_contiguous()
+    assert torch.isnan(got[-1, n - 1]) and torch.isnan(ref[-1, n - 1])
+    tol = 1e-6 if dtype == torch.float32 else 2 ** -7
+    torch.testing.assert_close(got.float(), ref.float(), rtol=tol, atol=tol, equal_nan=True)
+    if dtype == torch.bfloat16 and m * n >= 64:
+        assert (got == ref).float().mean() > 0.95
+    rows = torch.cat([native.silu_mul(gate[i:i + 1], up[i:i + 1]) for i in range(m)])
+    bits = torch.int32 if dtype == torch.float32 else torch.int16     # NaN included
+    assert torch.equal(rows.view(bits), got.view(bits))
+
+
+@needs_silu_mul
+def test_silu_mul_refuses_bad_arguments():
+    a = torch.randn(2, 8)
+    for args, msg in [((a.double(), a), "gate must be"), ((a, a.bfloat16()), "do not fit"),
+                      ((a, a[:, :4]), "do not fit"), ((a.t(), a.t()), "contiguous rows"),
+                      ((a[:0], a[:0]), "do not fit"), ((a[0], a[0]), "gate must be")]:
+        with pytest.raises(ValueError, match=msg):
+            native.silu_mul(*args)
+    with pytest.raises(ValueError, match="row strides at least N"):
+        native._C.silu_mul(a.data_ptr(), a.data_ptr(), a.data_ptr(), 2, 8, 4, 8)
+
+
 def _int8_weight(n, k, g):
     """(q int8 (n, k), scale bf16 (n,), the float64 weights they stand for), any k."""
     w = torch.randn(n, k, generator=g) * torch.logspace(-2, 1, n)[:, None]

@@ -88,7 +88,8 @@ def ext_status() -> str:
                f"OpenMP at {C.openmp_runtime()}, not torch's" if C.openmp_runtime() else
                "own thread pool")
     small_m = bool(C.small_m_linear_isa()) and COPIES_ON_TORCH_THREADS     # gemm.SMALL_M_LINEAR
-    lin = (f"small-M linear, GDN rule, one-query attention, RMSNorm ({C.small_m_linear_isa()})" if small_m else
+    lin = (f"small-M linear, GDN rule and conv, one-query attention, RMSNorm, silu*mul "
+           f"({C.small_m_linear_isa()})" if small_m else
            "no small-M linear" + ("" if C.small_m_linear_isa() else " (needs x86-64 AVX2 + FMA)"))
     return (f"flashrt.native._C {C.version}: CPU segmented copy ({threads}), xxh64, xxh3 "
             f"({C.xxh3_isa()}), block checksums, {lin}, {cuda}")

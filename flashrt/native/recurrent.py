@@ -81,8 +81,8 @@ def gated_delta_step(qkv: torch.Tensor, heads: tuple, a: torch.Tensor, b: torch.
     return out
 
 
-# silu(causal conv) in one call: scalar C++ on every CPU the extension builds for
-CAUSAL_CONV: bool = ext.HAVE_EXT and hasattr(ext.C, "causal_conv")
+# silu(causal conv) in one call: as GDN_RULE, with the kernel in the build
+CAUSAL_CONV: bool = GDN_RULE and hasattr(ext.C, "causal_conv")
 
 
 def causal_conv(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor,
