@@ -6,6 +6,7 @@
 // of sums): results do not depend on the thread count.
 // Built with -mavx2 -mfma; the launcher checks the CPU first.
 #include "flashrt.h"
+#include "vec_avx2.h"
 
 #include <immintrin.h>
 
@@ -33,15 +34,24 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
+// Rows ahead that the passes prefetch (8, 16, 32 tried: 16 and 32 alike, 8 slower cold)
+constexpr int64_t PF_ROWS = 16;
+
 // The G query heads h0.. that share kv head kvh: each K and V row is read once for all G
-// (scores: G dot products a row; p V: 8 columns of the G outputs at a time in registers).
-// D a multiple of 8 (the launcher checks); s: G * L floats of scratch.
+// (scores: G dot products a row; p V: 16 columns (a 64-byte line of float32) of the G outputs
+// at a time in registers, each V line read once). D a multiple of 8 (the launcher checks); s:
+// G * L floats of scratch. K/V rows are strided (hkv heads a row): the passes prefetch ahead.
 template <int G, typename T>
 void group(const DecodeAttentionArgs& a, const T* k, const T* v, int64_t kvh, int64_t h0, float* s) {
   const int64_t D = a.d, L = a.L, stride = a.hkv * D;
   const float* q = a.q + h0 * D;
+  const int64_t row_bytes = D * static_cast<int64_t>(sizeof(T));
   for (int64_t l = 0; l < L; ++l) {          // scores: lane j of a head's sum takes d = j, j+8, ...
     const T* kr = k + l * stride + kvh * D;
+    if (l + PF_ROWS < L) {
+      const char* p = reinterpret_cast<const char*>(kr + PF_ROWS * stride);
+      for (int64_t b = 0; b < row_bytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
+    }
     __m256 acc[G];
     for (int g = 0; g < G; ++g) acc[g] = _mm256_setzero_ps();
     for (int64_t d = 0; d < D; d += 8) {
@@ -51,25 +61,36 @@ void group(const DecodeAttentionArgs& a, const T* k, const T* v, int64_t kvh, in
     for (int g = 0; g < G; ++g) s[g * L + l] = hsum(acc[g]) * a.scale;
   }
   float inv[G];
-  for (int g = 0; g < G; ++g) {              // softmax of each head's row, in order
+  for (int g = 0; g < G; ++g) {              // softmax of each head's row: exp 8 at a time, sum in order
     float* sg = s + g * L;
     float mx = -INFINITY, sum = 0.f;
     for (int64_t l = 0; l < L; ++l) mx = std::max(mx, sg[l]);
-    for (int64_t l = 0; l < L; ++l) {
-      sg[l] = std::exp(sg[l] - mx);
-      sum += sg[l];
-    }
+    const __m256 m8 = _mm256_set1_ps(mx);
+    int64_t l = 0;
+    for (; l + 8 <= L; l += 8) _mm256_storeu_ps(sg + l, exp8(_mm256_sub_ps(_mm256_loadu_ps(sg + l), m8)));
+    for (; l < L; ++l) sg[l] = std::exp(sg[l] - mx);
+    for (l = 0; l < L; ++l) sum += sg[l];
     inv[g] = 1.f / sum;
   }
-  for (int64_t d = 0; d < D; d += 8) {       // o[:, d:d+8] = sum over l in order of p_l V_l
-    __m256 acc[G];
-    for (int g = 0; g < G; ++g) acc[g] = _mm256_setzero_ps();
+  for (int64_t d = 0; d < D; d += 16) {      // o[:, d:d+16] = sum over l in order of p_l V_l
+    const bool two = d + 16 <= D;            // D a multiple of 8: the last block may be 8 wide
+    __m256 lo[G], hi[G];
+    for (int g = 0; g < G; ++g) lo[g] = hi[g] = _mm256_setzero_ps();
     for (int64_t l = 0; l < L; ++l) {
-      const __m256 vv = load8(v + l * stride + kvh * D + d);
-      for (int g = 0; g < G; ++g) acc[g] = _mm256_fmadd_ps(_mm256_set1_ps(s[g * L + l]), vv, acc[g]);
+      const T* vr = v + l * stride + kvh * D + d;
+      if (l + PF_ROWS < L) _mm_prefetch(reinterpret_cast<const char*>(vr + PF_ROWS * stride), _MM_HINT_T0);
+      const __m256 v0 = load8(vr), v1 = two ? load8(vr + 8) : _mm256_setzero_ps();
+      for (int g = 0; g < G; ++g) {
+        const __m256 p = _mm256_set1_ps(s[g * L + l]);
+        lo[g] = _mm256_fmadd_ps(p, v0, lo[g]);
+        if (two) hi[g] = _mm256_fmadd_ps(p, v1, hi[g]);
+      }
     }
-    for (int g = 0; g < G; ++g)
-      _mm256_storeu_ps(a.out + (h0 + g) * D + d, _mm256_mul_ps(acc[g], _mm256_set1_ps(inv[g])));
+    for (int g = 0; g < G; ++g) {
+      const __m256 r = _mm256_set1_ps(inv[g]);
+      _mm256_storeu_ps(a.out + (h0 + g) * D + d, _mm256_mul_ps(lo[g], r));
+      if (two) _mm256_storeu_ps(a.out + (h0 + g) * D + d + 8, _mm256_mul_ps(hi[g], r));
+    }
   }
 }
 
