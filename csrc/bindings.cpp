@@ -58,9 +58,10 @@ PYBIND11_MODULE(_C, m) {
         py::arg("state"), py::arg("out"), py::arg("planes"), py::arg("T"), py::arg("hk"),
         py::arg("hv"), py::arg("dk"), py::arg("dv"), py::arg("a_log"), py::arg("dt_bias"),
         py::arg("z"), py::arg("norm_w"), py::arg("eps"), py::arg("round_bf16") = false,
-        py::arg("num_threads") = 0,
+        py::arg("bf16_io") = false, py::arg("num_threads") = 0,
         "gated_delta_rule's gated form: beta and the decay from the raw b and a projections, out "
-        "(T, hv, dv) = rmsnorm(o) * norm_w * silu(z), rounded as a bf16 model's where round_bf16.");
+        "(T, hv, dv) = rmsnorm(o) * norm_w * silu(z), rounded as a bf16 model's where round_bf16; "
+        "bf16_io: qkv, a, b, z, norm_w and out bf16 (state, a_log, dt_bias float32).");
   m.def("decode_attention", &flashrt::launch::decode_attention, py::arg("q"), py::arg("k"), py::arg("v"),
         py::arg("out"), py::arg("L"), py::arg("hq"), py::arg("hkv"), py::arg("d"), py::arg("scale"),
         py::arg("bf16_kv") = false, py::arg("num_threads") = 0,
@@ -68,9 +69,10 @@ PYBIND11_MODULE(_C, m) {
         "head over L rows of (hkv, d) float32 (bf16 where bf16_kv) K/V; q, out float32.");
   m.def("rms_norm", &flashrt::launch::rms_norm, py::arg("x"), py::arg("w"), py::arg("y"), py::arg("M"),
         py::arg("D"), py::arg("eps"), py::arg("zero_centred"), py::arg("bf16_x") = false,
-        py::arg("bf16_w") = false, py::arg("num_threads") = 0,
+        py::arg("bf16_w") = false, py::arg("r") = 0, py::arg("s") = 0, py::arg("num_threads") = 0,
         "RMSNorm of M rows of D at host addresses: y = x / rms(x) * (1 + w if zero_centred else w); "
-        "x, y float32 (bf16 where bf16_x, rounded as the torch form rounds), w float32 or bf16.");
+        "x, y float32 (bf16 where bf16_x, rounded as the torch form rounds), w float32 or bf16; "
+        "r, s non-zero: x + r is written to s and normed instead of x.");
   m.def("causal_conv", &flashrt::launch::causal_conv, py::arg("x"), py::arg("w"), py::arg("state"),
         py::arg("planes"), py::arg("y"), py::arg("T"), py::arg("C"), py::arg("K"), py::arg("bf16") = false,
         "y (T, C) = silu(depthwise causal conv of x (T, C) with w (C, K), state (C, K-1) the left "

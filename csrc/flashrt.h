@@ -51,24 +51,27 @@ void small_m_linear_int8w(const float* x, const int8_t* w, const uint16_t* scale
 // beta = sigmoid(b), g = -exp(a_log) * softplus(a + dt_bias); out per head is
 // rmsnorm(o) * norm_w * silu(z), z (T, hv * dv). round_bf16: each step rounded to bf16 where a
 // bf16 model's torch form rounds (beta, o, the norm, its weight product, the output).
+// bf16_io (gated form only, with round_bf16): qkv, g, beta, z, norm_w and out are bf16 (a bf16
+// model's own tensors, no float32 copies); the state and a_log, dt_bias stay float32.
 struct GdnGate {
   const float* a_log;
   const float* dt_bias;
-  const float* z;
-  const float* norm_w;
+  const void* z;
+  const void* norm_w;
   float eps;
   bool round_bf16;
 };
 struct GdnArgs {
-  const float* qkv;
+  const void* qkv;
   int64_t qkv_stride, q_off, k_off, v_off;
-  const float* g;
-  const float* beta;
+  const void* g;
+  const void* beta;
   float* state;
-  float* out;
+  void* out;
   float* planes;
   int64_t T, hk, hv, dk, dv;
   const GdnGate* gate;   // null: the rule alone
+  bool bf16_io;
 };
 void gated_delta_rule_cpu(const GdnArgs& args, int num_threads);
 
@@ -88,6 +91,8 @@ void decode_attention_cpu(const DecodeAttentionArgs& args, int num_threads);
 
 // RMSNorm of M rows of D (norm_cpu.cpp; x86-64 AVX2 + FMA builds): x and y float32 or bf16
 // (bf16_x), w (D,) float32 or bf16 (bf16_w); y = x / rms(x) * (zero_centred ? 1 + w : w).
+// r and s (M, D) in x's dtype, or both null: normed is s = x + r (rounded to bf16 in a bf16
+// model, as torch's add), written to s.
 struct RmsNormArgs {
   const void* x;
   const void* w;
@@ -95,6 +100,8 @@ struct RmsNormArgs {
   int64_t M, D;
   float eps;
   bool zero_centred, bf16_x, bf16_w;
+  const void* r;
+  void* s;
 };
 void rms_norm_cpu(const RmsNormArgs& args, int num_threads);
 

@@ -7,6 +7,7 @@
 // Heads are independent: threads split them, so results do not depend on the thread count.
 // Gated form (GdnArgs::gate): the decay and beta from the raw projections, and the output gated
 // norm of Qwen3.5's block, in the same call (~30 fewer torch ops a layer and token).
+// bf16_io: a bf16 model's qkv, a, b, z, norm weight and output as they are (no float32 copies).
 // Built with -mavx2 -mfma (the loops over Dv vectorize); the launcher checks the CPU first.
 #include "flashrt.h"
 
@@ -22,12 +23,21 @@
 namespace flashrt {
 namespace {
 
+inline float widen(float v) { return v; }
+inline float widen(uint16_t v) {
+  const uint32_t u = static_cast<uint32_t>(v) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
 // x (D,) / sqrt(sum x^2 + 1e-6), then times `extra`: the torch form's l2norm and q scale
-void l2norm(const float* x, float* out, int64_t D, float extra) {
+template <typename T>
+void l2norm(const T* x, float* out, int64_t D, float extra) {
   float ss = 0.f;
-  for (int64_t i = 0; i < D; ++i) ss += x[i] * x[i];
+  for (int64_t i = 0; i < D; ++i) ss += widen(x[i]) * widen(x[i]);
   const float r = 1.f / std::sqrt(ss + 1e-6f);
-  for (int64_t i = 0; i < D; ++i) out[i] = (x[i] * r) * extra;
+  for (int64_t i = 0; i < D; ++i) out[i] = (widen(x[i]) * r) * extra;
 }
 
 // float32 -> bf16 -> float32, rounded to nearest even (torch's cast; NaN passes)
@@ -39,11 +49,20 @@ inline float bf16(float v) {
   std::memcpy(&v, &u, sizeof v);
   return v;
 }
+// an output value as stored: float32, or a value already rounded to bf16 (round_bf16) as bf16
+// (its upper half; a NaN as 0xffff, torch's vectorized cast)
+inline void put(float* y, float v) { *y = v; }
+inline void put(uint16_t* y, float v) {
+  uint32_t u;
+  std::memcpy(&u, &v, sizeof u);
+  *y = (u & 0x7fffffffu) > 0x7f800000u ? uint16_t{0xffff} : static_cast<uint16_t>(u >> 16);
+}
 
 // softplus as torch's (beta 1, threshold 20)
 inline float softplus(float x) { return x > 20.f ? x : std::log1p(std::exp(x)); }
 
 // o (Dv,) of head h, token t, in place: rmsnorm(o) * norm_w * silu(z) with the torch form's roundings
+template <typename T>
 void gate_output(const GdnArgs& a, const GdnGate& gt, int64_t t, int64_t h, float* o) {
   const int64_t Dv = a.dv;
   const auto rnd = [&](float v) { return gt.round_bf16 ? bf16(v) : v; };
@@ -53,24 +72,29 @@ void gate_output(const GdnArgs& a, const GdnGate& gt, int64_t t, int64_t h, floa
     ss += o[j] * o[j];
   }
   const float r = 1.f / std::sqrt(ss / static_cast<float>(Dv) + gt.eps);
-  const float* z = gt.z + (t * a.hv + h) * Dv;
+  const T* z = static_cast<const T*>(gt.z) + (t * a.hv + h) * Dv;
+  const T* w = static_cast<const T*>(gt.norm_w);
   for (int64_t j = 0; j < Dv; ++j) {
-    const float n = rnd(gt.norm_w[j] * rnd(o[j] * r));
-    o[j] = rnd(n * (z[j] / (1.f + std::exp(-z[j]))));
+    const float n = rnd(widen(w[j]) * rnd(o[j] * r)), zj = widen(z[j]);
+    o[j] = rnd(n * (zj / (1.f + std::exp(-zj))));
   }
 }
 
+// T: the type of qkv, g, beta, z, norm_w and out (float, or bf16 as uint16_t under bf16_io)
+template <typename T>
 void head(const GdnArgs& a, int64_t h) {
   const int64_t Dk = a.dk, Dv = a.dv, kh = h / (a.hv / a.hk);
   float* S = a.state + h * Dk * Dv;
-  float q[512], k[512], kv[512];   // Dk, Dv <= 512 (the launcher checks)
+  float q[512], k[512], kv[512], o[512];   // Dk, Dv <= 512 (the launcher checks)
   const float qscale = 1.f / std::sqrt(static_cast<float>(Dk));
+  const T* qkv = static_cast<const T*>(a.qkv);
   for (int64_t t = 0; t < a.T; ++t) {
-    const float* row = a.qkv + t * a.qkv_stride;
+    const T* row = qkv + t * a.qkv_stride;
     l2norm(row + a.q_off + kh * Dk, q, Dk, qscale);
     l2norm(row + a.k_off + kh * Dk, k, Dk, 1.f);
-    const float* v = row + a.v_off + h * Dv;
-    float g = a.g[t * a.hv + h], beta = a.beta[t * a.hv + h];
+    const T* v = row + a.v_off + h * Dv;
+    float g = widen(static_cast<const T*>(a.g)[t * a.hv + h]);
+    float beta = widen(static_cast<const T*>(a.beta)[t * a.hv + h]);
     if (a.gate != nullptr) {                    // raw projections: the decay and beta of the form
       g = -std::exp(a.gate->a_log[h]) * softplus(g + a.gate->dt_bias[h]);
       beta = 1.f / (1.f + std::exp(-beta));
@@ -86,8 +110,7 @@ void head(const GdnArgs& a, int64_t h) {
         kv[j] += ki * s[j];
       }
     }
-    for (int64_t j = 0; j < Dv; ++j) kv[j] = (v[j] - kv[j]) * beta;   // delta
-    float* o = a.out + (t * a.hv + h) * Dv;
+    for (int64_t j = 0; j < Dv; ++j) kv[j] = (widen(v[j]) - kv[j]) * beta;   // delta
     for (int64_t j = 0; j < Dv; ++j) o[j] = 0.f;
     for (int64_t i = 0; i < Dk; ++i) {           // S += k^T delta; o = q S
       float* s = S + i * Dv;
@@ -97,12 +120,19 @@ void head(const GdnArgs& a, int64_t h) {
         o[j] += qi * s[j];
       }
     }
-    if (a.gate != nullptr) gate_output(a, *a.gate, t, h, o);
+    if (a.gate != nullptr) gate_output<T>(a, *a.gate, t, h, o);
+    T* out = static_cast<T*>(a.out) + (t * a.hv + h) * Dv;
+    for (int64_t j = 0; j < Dv; ++j) put(out + j, o[j]);
     if (a.planes != nullptr) {
       float* p = a.planes + (t * a.hv + h) * Dk * Dv;
       for (int64_t i = 0; i < Dk * Dv; ++i) p[i] = S[i];
     }
   }
+}
+
+inline void head_any(const GdnArgs& a, int64_t h) {
+  if (a.bf16_io) return head<uint16_t>(a, h);
+  head<float>(a, h);
 }
 
 }  // namespace
@@ -113,13 +143,13 @@ void gated_delta_rule_cpu(const GdnArgs& a, int num_threads) {
   num_threads = static_cast<int>(std::min<int64_t>(num_threads, a.hv));
   if (num_threads > 1 && !forked_after_load()) {
 #pragma omp parallel for num_threads(num_threads) schedule(static)
-    for (int64_t h = 0; h < a.hv; ++h) head(a, h);
+    for (int64_t h = 0; h < a.hv; ++h) head_any(a, h);
     return;
   }
 #else
   (void)num_threads;
 #endif
-  for (int64_t h = 0; h < a.hv; ++h) head(a, h);
+  for (int64_t h = 0; h < a.hv; ++h) head_any(a, h);
 }
 
 }  // namespace flashrt

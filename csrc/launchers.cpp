@@ -135,10 +135,10 @@ void gated_delta_rule(std::uintptr_t qkv, int64_t qkv_stride, int64_t q_off, int
                       int64_t dk, int64_t dv, int num_threads) {
   check_gdn("gated_delta_rule", qkv, qkv_stride, q_off, k_off, v_off, g, beta, state, out, T, hk, hv,
             dk, dv, num_threads);
-  const GdnArgs a{reinterpret_cast<const float*>(qkv), qkv_stride, q_off, k_off, v_off,
-                  reinterpret_cast<const float*>(g), reinterpret_cast<const float*>(beta),
-                  reinterpret_cast<float*>(state), reinterpret_cast<float*>(out),
-                  reinterpret_cast<float*>(planes), T, hk, hv, dk, dv, nullptr};
+  const GdnArgs a{reinterpret_cast<const void*>(qkv), qkv_stride, q_off, k_off, v_off,
+                  reinterpret_cast<const void*>(g), reinterpret_cast<const void*>(beta),
+                  reinterpret_cast<float*>(state), reinterpret_cast<void*>(out),
+                  reinterpret_cast<float*>(planes), T, hk, hv, dk, dv, nullptr, false};
   py::gil_scoped_release nogil;  // the caller holds the tensors
   gated_delta_rule_cpu(a, num_threads);
 }
@@ -148,19 +148,21 @@ void gated_delta_step(std::uintptr_t qkv, int64_t qkv_stride, int64_t q_off, int
                       std::uintptr_t out, std::uintptr_t planes, int64_t T, int64_t hk, int64_t hv,
                       int64_t dk, int64_t dv, std::uintptr_t a_log, std::uintptr_t dt_bias,
                       std::uintptr_t z, std::uintptr_t norm_w, double eps, bool round_bf16,
-                      int num_threads) {
+                      bool bf16_io, int num_threads) {
   if (a_log == 0 || dt_bias == 0 || z == 0 || norm_w == 0)
     throw std::invalid_argument("gated_delta_step: null address");
   if (!(eps >= 0)) throw std::invalid_argument("gated_delta_step: eps must be >= 0");
+  if (bf16_io && !round_bf16)
+    throw std::invalid_argument("gated_delta_step: bf16_io takes round_bf16 (a bf16 model rounds as it goes)");
   const GdnGate gate{reinterpret_cast<const float*>(a_log), reinterpret_cast<const float*>(dt_bias),
-                     reinterpret_cast<const float*>(z), reinterpret_cast<const float*>(norm_w),
+                     reinterpret_cast<const void*>(z), reinterpret_cast<const void*>(norm_w),
                      static_cast<float>(eps), round_bf16};
   check_gdn("gated_delta_step", qkv, qkv_stride, q_off, k_off, v_off, a, b, state, out, T, hk, hv, dk,
             dv, num_threads);
-  const GdnArgs args{reinterpret_cast<const float*>(qkv), qkv_stride, q_off, k_off, v_off,
-                     reinterpret_cast<const float*>(a), reinterpret_cast<const float*>(b),
-                     reinterpret_cast<float*>(state), reinterpret_cast<float*>(out),
-                     reinterpret_cast<float*>(planes), T, hk, hv, dk, dv, &gate};
+  const GdnArgs args{reinterpret_cast<const void*>(qkv), qkv_stride, q_off, k_off, v_off,
+                     reinterpret_cast<const void*>(a), reinterpret_cast<const void*>(b),
+                     reinterpret_cast<float*>(state), reinterpret_cast<void*>(out),
+                     reinterpret_cast<float*>(planes), T, hk, hv, dk, dv, &gate, bf16_io};
   py::gil_scoped_release nogil;  // the caller holds the tensors
   gated_delta_rule_cpu(args, num_threads);
 }
@@ -185,7 +187,9 @@ void decode_attention(std::uintptr_t q, std::uintptr_t k, std::uintptr_t v, std:
   decode_attention_cpu(a, num_threads);
 }
 void rms_norm(std::uintptr_t x, std::uintptr_t w, std::uintptr_t y, int64_t M, int64_t D, double eps,
-              bool zero_centred, bool bf16_x, bool bf16_w, int num_threads) {
+              bool zero_centred, bool bf16_x, bool bf16_w, std::uintptr_t r, std::uintptr_t s,
+              int num_threads) {
+  if ((r == 0) != (s == 0)) throw std::invalid_argument("rms_norm: a residual takes a sum to write (r and s)");
   if (small_m_linear_isa().empty()) throw std::runtime_error("rms_norm needs AVX2 and FMA, which this CPU lacks");
   if (M <= 0 || D <= 0)
     throw std::invalid_argument("rms_norm: M and D must be positive, got " + std::to_string(M) + ", " +
@@ -194,7 +198,8 @@ void rms_norm(std::uintptr_t x, std::uintptr_t w, std::uintptr_t y, int64_t M, i
   if (x == 0 || w == 0 || y == 0) throw std::invalid_argument("rms_norm: null address");
   if (num_threads < 0) throw std::invalid_argument("num_threads must be >= 0 (0 = all cores)");
   const RmsNormArgs a{reinterpret_cast<const void*>(x), reinterpret_cast<const void*>(w),
-                      reinterpret_cast<void*>(y), M, D, static_cast<float>(eps), zero_centred, bf16_x, bf16_w};
+                      reinterpret_cast<void*>(y), M, D, static_cast<float>(eps), zero_centred, bf16_x, bf16_w,
+                      reinterpret_cast<const void*>(r), reinterpret_cast<void*>(s)};
   py::gil_scoped_release nogil;  // the caller holds the tensors
   rms_norm_cpu(a, num_threads);
 }

@@ -52,21 +52,23 @@ void gated_delta_rule(std::uintptr_t qkv, int64_t qkv_stride, int64_t q_off, int
                       std::uintptr_t out, std::uintptr_t planes, int64_t T, int64_t hk, int64_t hv,
                       int64_t dk, int64_t dv, int num_threads);
 // The same in its gated form (flashrt::GdnGate): g and beta are the raw a and b projections; out
-// is the gated norm's output.
+// is the gated norm's output. bf16_io: qkv, a, b, z, norm_w and out are bf16.
 void gated_delta_step(std::uintptr_t qkv, int64_t qkv_stride, int64_t q_off, int64_t k_off,
                       int64_t v_off, std::uintptr_t a, std::uintptr_t b, std::uintptr_t state,
                       std::uintptr_t out, std::uintptr_t planes, int64_t T, int64_t hk, int64_t hv,
                       int64_t dk, int64_t dv, std::uintptr_t a_log, std::uintptr_t dt_bias,
                       std::uintptr_t z, std::uintptr_t norm_w, double eps, bool round_bf16,
-                      int num_threads);
+                      bool bf16_io, int num_threads);
 // One query's attention at host addresses (flashrt::DecodeAttentionArgs; the Python wrapper
 // checks the tensors).
 void decode_attention(std::uintptr_t q, std::uintptr_t k, std::uintptr_t v, std::uintptr_t out,
                       int64_t L, int64_t hq, int64_t hkv, int64_t d, double scale, bool bf16_kv,
                       int num_threads);
-// RMSNorm of M rows at host addresses (flashrt::RmsNormArgs; the Python wrapper checks the tensors).
+// RMSNorm of M rows at host addresses (flashrt::RmsNormArgs; the Python wrapper checks the tensors);
+// r, s non-zero: the rows normed are s = x + r, written to s.
 void rms_norm(std::uintptr_t x, std::uintptr_t w, std::uintptr_t y, int64_t M, int64_t D, double eps,
-              bool zero_centred, bool bf16_x, bool bf16_w, int num_threads);
+              bool zero_centred, bool bf16_x, bool bf16_w, std::uintptr_t r, std::uintptr_t s,
+              int num_threads);
 // silu(depthwise causal conv) at host addresses (flashrt::CausalConvArgs; the Python wrapper
 // checks the tensors). planes 0: none.
 void causal_conv(std::uintptr_t x, std::uintptr_t w, std::uintptr_t state, std::uintptr_t planes,

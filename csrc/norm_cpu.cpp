@@ -3,7 +3,9 @@
 // Per row: r = 1 / sqrt(sum(x^2) / D + eps) in float32 (the sum in 8 lanes, a fixed order: the
 // bits depend neither on the thread count nor on the rows beside it), then
 //   zero-centred: y = (x r) (1 + w);  plain: y = w (x r), with x r rounded to bf16 first in a
-// bf16 model, as its torch form rounds. Built with -mavx2 -mfma; the launcher checks the CPU.
+// bf16 model, as its torch form rounds. With a residual r: x + r (one add, stored in x's dtype)
+// is written out and normed, the block's residual add and the next norm in one pass.
+// Built with -mavx2 -mfma; the launcher checks the CPU.
 #include "flashrt.h"
 
 #include <immintrin.h>
@@ -79,6 +81,12 @@ void rows(const RmsNormArgs& a, int64_t m0, int64_t m1) {
   for (int64_t m = m0; m < m1; ++m) {
     const X* xm = x + m * D;
     X* ym = y + m * D;
+    if (a.r != nullptr) {                      // the residual sum first, as stored; then its norm
+      const X* rm = static_cast<const X*>(a.r) + m * D;
+      X* sm = static_cast<X*>(a.s) + m * D;
+      for (int64_t k = 0; k < D; ++k) put(sm + k, widen(xm[k]) + widen(rm[k]));
+      xm = sm;
+    }
     const float r = 1.0f / std::sqrt(sum_squares(xm, D) / static_cast<float>(D) + a.eps);
     if (a.zero_centred) {
       for (int64_t k = 0; k < D; ++k) put(ym + k, (widen(xm[k]) * r) * (1.0f + widen(w[k])));

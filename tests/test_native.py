@@ -261,6 +261,34 @@ def test_gated_delta_step_matches_the_torch_form(dtype):
         assert (got == ref).float().mean() > 0.9
 
 
+@pytest.mark.skipif(not native.GDN_STEP, reason="the gated GDN kernel needs the extension on x86-64 AVX2 + FMA")
+def test_gated_delta_step_takes_a_bf16_model_tensors_as_they_are():
+    """bf16 qkv, a, b, z and norm weight in, bf16 out (no float32 copies): bitwise the float32
+    call on the same values under round_bf16, its output cast to bf16, state and planes too."""
+    hk, hv, dk, dv, T = 2, 4, 16, 8, 3
+    g = torch.Generator().manual_seed(11)
+    qkv = torch.randn(T, 2 * hk * dk + hv * dv, generator=g).bfloat16()
+    a, b = (torch.randn(T, hv, generator=g).bfloat16() for _ in range(2))
+    z = torch.randn(T, hv * dv, generator=g).bfloat16()
+    a_log, dt_bias = torch.rand(hv, generator=g), torch.randn(hv, generator=g)
+    w = (1 + 0.1 * torch.randn(dv, generator=g)).bfloat16()
+    state = torch.randn(hv, dk, dv, generator=g) * 0.3
+    heads = (hk, hv, dk, dv)
+    s16, p16 = state.clone(), torch.empty(T, hv, dk, dv)
+    got = native.gated_delta_step(qkv, heads, a, b, s16, p16, a_log, dt_bias, z, w, 1e-6, round_bf16=True)
+    s32, p32 = state.clone(), torch.empty(T, hv, dk, dv)
+    ref = native.gated_delta_step(qkv.float(), heads, a.float(), b.float(), s32, p32, a_log, dt_bias,
+                                  z.float(), w.float(), 1e-6, round_bf16=True)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, ref.bfloat16()) and torch.equal(got.float(), ref)
+    assert torch.equal(s16, s32) and torch.equal(p16, p32)
+    with pytest.raises(ValueError, match="round_bf16=True"):
+        native.gated_delta_step(qkv, heads, a, b, state, None, a_log, dt_bias, z, w, 1e-6)
+    with pytest.raises(ValueError, match="z must be"):
+        native.gated_delta_step(qkv, heads, a, b, state, None, a_log, dt_bias, z.float(), w, 1e-6, round_bf16=True)
+    with pytest.raises(ValueError, match="g must be"):
+        native.gated_delta_step(qkv, heads, a.float(), b, state, None, a_log, dt_bias, z, w, 1e-6, round_bf16=True)
+
+
 @needs_gdn
 def test_gated_delta_rule_refuses_bad_arguments():
     heads = (2, 4, 8, 8)
@@ -371,7 +399,7 @@ def test_rms_norm_matches_the_torch_form(dtype, zero_centred, m, d):
         assert (got == ref).float().mean() > 0.95
     one = torch.empty_like(x)
     native._C.rms_norm(x.data_ptr(), w.data_ptr(), one.data_ptr(), m, d, 1e-6, zero_centred,
-                       dtype == torch.bfloat16, dtype == torch.bfloat16, 1)
+                       dtype == torch.bfloat16, dtype == torch.bfloat16, num_threads=1)
     assert torch.equal(one, got)
     assert torch.equal(native.rms_norm(x[:1].contiguous(), w, 1e-6, zero_centred), got[:1])
 
@@ -392,6 +420,38 @@ def test_rms_norm_module_takes_the_kernel_for_cpu_rows(monkeypatch):
     monkeypatch.setattr(native, "RMS_NORM", False)
     torch.testing.assert_close(y, norm(x), rtol=3e-7, atol=1e-6)
     assert calls == [(6, 16)]
+
+
+@needs_norm
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_add_rms_norm_is_the_add_then_the_norm(dtype):
+    """x + r (torch's add: one rounding in the dtype) written out, then normed: bitwise the add
+    followed by rms_norm; RMSNorm.add_and_norm gives the same, and its torch form agrees."""
+    from flashrt.nn.layers import RMSNorm
+    g = torch.Generator().manual_seed(5)
+    x, r = (torch.randn(3, 40, generator=g).to(dtype) for _ in range(2))
+    w = (0.1 * torch.randn(40, generator=g)).to(dtype)
+    s, y = native.add_rms_norm(x, r, w, 1e-6, True)
+    assert torch.equal(s, x + r) and torch.equal(y, native.rms_norm(x + r, w, 1e-6, True))
+    norm = RMSNorm(40, 1e-6, zero_centred=True)
+    norm.weight.data = w
+    s2, y2 = norm.add_and_norm(x[None], r[None])
+    assert s2.shape == (1, 3, 40) and torch.equal(s2[0], s) and torch.equal(y2[0], y)
+    was = native.RMS_NORM
+    try:
+        native.RMS_NORM = False
+        s3, y3 = norm.add_and_norm(x, r)
+    finally:
+        native.RMS_NORM = was
+    tol = 3e-7 if dtype == torch.float32 else 2 ** -7
+    assert torch.equal(s3, s)
+    torch.testing.assert_close(y3.float(), y.float(), rtol=tol, atol=tol * float(y.float().abs().max()))
+    with pytest.raises(ValueError, match="r must be"):
+        native.add_rms_norm(x, r.double(), w, 1e-6, True)
+    with pytest.raises(ValueError, match="do not fit"):
+        native.add_rms_norm(x, r[:2].contiguous(), w, 1e-6, True)
+    with pytest.raises(ValueError, match="r and s"):
+        native._C.rms_norm(x.data_ptr(), w.data_ptr(), y.data_ptr(), 3, 40, 1e-6, True, r=x.data_ptr())
 
 
 @needs_norm

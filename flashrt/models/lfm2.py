@@ -141,8 +141,8 @@ class Block(nn.Module):
     def forward(self, x, ctx, state, cos, sin):
         h = self.operator_norm(x)
         h = self.self_attn(h, ctx, state, cos, sin) if self.is_attn else self.conv(h, ctx, state)
-        x = x + h
-        return x + self.feed_forward(self.ffn_norm(x))
+        x, h = self.ffn_norm.add_and_norm(x, h)
+        return x + self.feed_forward(h)
 
 
 # ---- model --------------------------------------------------------------------------------

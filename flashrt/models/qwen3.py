@@ -64,8 +64,9 @@ class Block(nn.Module):
         self.mlp = SwiGLU(c.hidden_size, c.intermediate_size)
 
     def forward(self, x, ctx, state, cos, sin):
-        x = x + self.self_attn(self.input_layernorm(x), ctx, state, cos, sin)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x, h = self.post_attention_layernorm.add_and_norm(
+            x, self.self_attn(self.input_layernorm(x), ctx, state, cos, sin))
+        return x + self.mlp(h)
 
 
 # ---- model --------------------------------------------------------------------------------

@@ -211,8 +211,8 @@ class Block(nn.Module):
     def forward(self, x, ctx, state, cos, sin):
         h = self.input_layernorm(x)
         h = self.linear_attn(h, ctx, state) if self.linear else self.self_attn(h, ctx, state, cos, sin)
-        x = x + h
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x, h = self.post_attention_layernorm.add_and_norm(x, h)
+        return x + self.mlp(h)
 
 
 class MTP(nn.Module):

@@ -15,7 +15,7 @@ It imports nothing of flashrt outside this folder.
 * gemm.py: ``small_m_linear`` / ``small_m_linear_int8``, the small-M projection kernel (one
   row: a GEMV) for float32, bf16 and int8 weights; ``gemv_bf16``, one row bf16 in and out.
 * attention.py: ``decode_attention``, one query's attention over the KV cache (decode).
-* norm.py: ``rms_norm``, RMSNorm over a step's rows.
+* norm.py: ``rms_norm``, RMSNorm over a step's rows; ``add_rms_norm``, with the residual add before it.
 * activation.py: ``silu_mul``, SwiGLU's silu(gate) * up over a step's rows.
 * recurrent.py: ``gated_delta_rule``, Gated DeltaNet's rule token by token (decode, verify);
   ``gated_delta_step``, the same with the decay, beta and output gated norm of Qwen3.5's block;
@@ -31,7 +31,7 @@ from .copies import SegmentPlan, copy_segments  # noqa: F401
 from .gemm import (GEMV_BF16, SMALL_M_INT8, SMALL_M_LINEAR, SMALL_M_MAX, SMALL_M_MAX_BF16,  # noqa: F401
                    SMALL_M_MAX_INT8, gemv_bf16, small_m_linear, small_m_linear_int8)
 from .attention import DECODE_ATTENTION, decode_attention  # noqa: F401
-from .norm import RMS_NORM, rms_norm  # noqa: F401
+from .norm import RMS_NORM, add_rms_norm, rms_norm  # noqa: F401
 from .activation import SILU_MUL, silu_mul  # noqa: F401
 from .recurrent import (CAUSAL_CONV, GDN_RULE, GDN_STEP, causal_conv, gated_delta_rule,  # noqa: F401
                         gated_delta_step)

@@ -29,3 +29,24 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, zero_centred: bool) -
     ext.C.rms_norm(x.data_ptr(), w.data_ptr(), y.data_ptr(), x.shape[0], x.shape[1], float(eps),
                    bool(zero_centred), bf16_x=x.dtype == torch.bfloat16, bf16_w=w.dtype == torch.bfloat16)
     return y
+
+
+def add_rms_norm(x: torch.Tensor, r: torch.Tensor, w: torch.Tensor, eps: float,
+                 zero_centred: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """A block's residual add and the next norm in one pass: s = x + r in x's dtype (torch's add,
+    one rounding), then (s, rms_norm(s, w, eps, zero_centred)). x, r (M, D) of one dtype; w as
+    rms_norm's. Callers check RMS_NORM. ValueError names a bad argument."""
+    if not RMS_NORM:
+        raise RuntimeError(f"rms_norm unavailable: {ext.ext_status()}")
+    fn = "add_rms_norm"
+    ext.check_tensor(fn, "x", x, (torch.float32, torch.bfloat16))
+    ext.check_tensor(fn, "r", r, (x.dtype,))
+    ext.check_tensor(fn, "w", w, tuple({torch.float32, x.dtype}), dim=1)
+    if tuple(r.shape) != tuple(x.shape) or w.shape[0] != x.shape[1] or 0 in x.shape:
+        raise ValueError(f"{fn}: x {tuple(x.shape)}, r {tuple(r.shape)} and w {tuple(w.shape)} do not "
+                         "fit: expected x and r (M, D) with M, D > 0 and w (D,)")
+    s, y = torch.empty_like(x), torch.empty_like(x)
+    ext.C.rms_norm(x.data_ptr(), w.data_ptr(), y.data_ptr(), x.shape[0], x.shape[1], float(eps),
+                   bool(zero_centred), bf16_x=x.dtype == torch.bfloat16, bf16_w=w.dtype == torch.bfloat16,
+                   r=r.data_ptr(), s=s.data_ptr())
+    return s, y

@@ -15,14 +15,14 @@ GDN_RULE: bool = (ext.HAVE_EXT and bool(ext.C.small_m_linear_isa()) and ext.COPI
 GDN_STEP: bool = GDN_RULE and hasattr(ext.C, "gated_delta_step")     # the gated form
 
 
-def _check_rule(fn, qkv, heads, g, beta, state, planes) -> None:
+def _check_rule(fn, qkv, heads, g, beta, state, planes, io=(torch.float32,)) -> None:
     hk, hv, dk, dv = heads
-    ext.check_tensor(fn, "qkv", qkv, (torch.float32,))
+    ext.check_tensor(fn, "qkv", qkv, io)
     T, width = qkv.shape
     if width != 2 * hk * dk + hv * dv:
         raise ValueError(f"{fn}: qkv rows of {width} floats, expected 2*{hk}*{dk} + {hv}*{dv}")
     for name, t in (("g", g), ("beta", beta)):
-        ext.check_tensor(fn, name, t, (torch.float32,))
+        ext.check_tensor(fn, name, t, (qkv.dtype,))
         if tuple(t.shape) != (T, hv):
             raise ValueError(f"{fn}: {name} of shape {tuple(t.shape)}, expected ({T}, {hv})")
     ext.check_tensor(fn, "state", state, (torch.float32,), dim=3)
@@ -59,25 +59,30 @@ def gated_delta_step(qkv: torch.Tensor, heads: tuple, a: torch.Tensor, b: torch.
                      round_bf16: bool = False) -> torch.Tensor:
     """gated_delta_rule's gated form (Qwen3.5's block after its conv): a, b (T, hv) the raw
     projections, beta = sigmoid(b), g = -exp(a_log) * softplus(a + dt_bias) (a_log, dt_bias
-    (hv,)); returns (T, hv, dv) float32 = rmsnorm(o, eps) * norm_w (dv,) * silu(z), z (T, hv*dv).
-    round_bf16: rounded to bf16 where a bf16 model's torch form rounds. All float32, contiguous,
-    CPU. Callers check GDN_STEP. ValueError names a bad argument."""
+    (hv,)); returns (T, hv, dv) = rmsnorm(o, eps) * norm_w (dv,) * silu(z), z (T, hv*dv).
+    round_bf16: rounded to bf16 where a bf16 model's torch form rounds. qkv, a, b, z, norm_w and
+    the output: float32, or all bfloat16 (a bf16 model's own tensors; round_bf16 then holds);
+    state, a_log, dt_bias float32. Contiguous, CPU. Callers check GDN_STEP. ValueError names a
+    bad argument."""
     if not GDN_STEP:
         raise RuntimeError(f"gated_delta_step unavailable: {ext.ext_status()}")
     hk, hv, dk, dv = heads
     fn = "gated_delta_step"
-    _check_rule(fn, qkv, heads, a, b, state, planes)
+    _check_rule(fn, qkv, heads, a, b, state, planes, io=(torch.float32, torch.bfloat16))
     T, width = qkv.shape
-    for name, t, shape in (("a_log", a_log, (hv,)), ("dt_bias", dt_bias, (hv,)), ("z", z, (T, hv * dv)),
-                           ("norm_w", norm_w, (dv,))):
-        ext.check_tensor(fn, name, t, (torch.float32,), dim=len(shape))
+    bf16 = qkv.dtype == torch.bfloat16
+    if bf16 and not round_bf16:
+        raise ValueError(f"{fn}: bfloat16 inputs take round_bf16=True (a bf16 model rounds as it goes)")
+    for name, t, shape, dtype in (("a_log", a_log, (hv,), torch.float32), ("dt_bias", dt_bias, (hv,), torch.float32),
+                                  ("z", z, (T, hv * dv), qkv.dtype), ("norm_w", norm_w, (dv,), qkv.dtype)):
+        ext.check_tensor(fn, name, t, (dtype,), dim=len(shape))
         if tuple(t.shape) != shape:
             raise ValueError(f"{fn}: {name} of shape {tuple(t.shape)}, expected {shape}")
-    out = torch.empty(T, hv, dv, dtype=torch.float32, device=qkv.device)
+    out = torch.empty(T, hv, dv, dtype=qkv.dtype, device=qkv.device)
     ext.C.gated_delta_step(qkv.data_ptr(), width, 0, hk * dk, 2 * hk * dk, a.data_ptr(), b.data_ptr(),
                            state.data_ptr(), out.data_ptr(), 0 if planes is None else planes.data_ptr(),
                            T, hk, hv, dk, dv, a_log.data_ptr(), dt_bias.data_ptr(), z.data_ptr(),
-                           norm_w.data_ptr(), float(eps), round_bf16=round_bf16)
+                           norm_w.data_ptr(), float(eps), round_bf16=round_bf16, bf16_io=bf16)
     return out
 
 

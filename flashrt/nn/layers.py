@@ -42,6 +42,18 @@ class RMSNorm(nn.Module):
             return (h * (1.0 + self.weight.float())).to(dtype)
         return self.weight * h.to(dtype)
 
+    def add_and_norm(self, x: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A block's residual add and this norm: (x + h, self(x + h)), in one extension call on
+        the CPU (the sum rounded once in x's dtype, as torch's add)."""
+        w = self.weight
+        if (native.RMS_NORM and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16)
+                and h.dtype == x.dtype == w.dtype and h.shape == x.shape and not torch.compiler.is_compiling()):
+            s, y = native.add_rms_norm(x.reshape(-1, x.shape[-1]).contiguous(),
+                                       h.reshape(-1, x.shape[-1]).contiguous(), w, self.eps, self.zero_centred)
+            return s.view(x.shape), y.view(x.shape)
+        x = x + h
+        return x, self(x)
+
 
 class Rotary(nn.Module):
     """Rotary embedding over the first `rot_dim` dims of each head (partial rotary when < head_dim).

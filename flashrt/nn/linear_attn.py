@@ -184,10 +184,13 @@ def gated_delta_block(qkv, a, b, z, A_log, dt_bias, norm, heads: tuple, state, p
     recurrent_gated_delta_rule's. Returns (T, hv*dv) in qkv's dtype, rounded where the torch
     form rounds (bf16), so the two differ only in the last bits of their sums."""
     T, dtype = qkv.shape[0], qkv.dtype
-    f32 = lambda t: t.float().contiguous()     # noqa: E731  (exact for bf16 values)
-    out = native.gated_delta_step(f32(qkv), heads, f32(a), f32(b), state, planes, f32(A_log), f32(dt_bias),
-                                  f32(z.reshape(T, -1)), f32(norm.weight), norm.eps,
-                                  round_bf16=dtype == torch.bfloat16)
+    # a bf16 model's tensors go in as they are; anything else in float32 (exact for bf16 values)
+    io = dtype if dtype == torch.bfloat16 and norm.weight.dtype == a.dtype == b.dtype == z.dtype == dtype \
+        else torch.float32
+    cast = lambda t, d=io: t.to(d).contiguous()     # noqa: E731
+    out = native.gated_delta_step(cast(qkv), heads, cast(a), cast(b), state, planes, cast(A_log, torch.float32),
+                                  cast(dt_bias, torch.float32), cast(z.reshape(T, -1)), cast(norm.weight),
+                                  norm.eps, round_bf16=dtype == torch.bfloat16)
     return out.view(T, -1).to(dtype)
 
 
