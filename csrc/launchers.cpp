@@ -190,7 +190,8 @@ void rms_norm(std::uintptr_t x, std::uintptr_t w, std::uintptr_t y, int64_t M, i
               bool zero_centred, bool bf16_x, bool bf16_w, std::uintptr_t r, std::uintptr_t s,
               int num_threads) {
   if ((r == 0) != (s == 0)) throw std::invalid_argument("rms_norm: a residual takes a sum to write (r and s)");
-  if (small_m_linear_isa().empty()) throw std::runtime_error("rms_norm needs AVX2 and FMA, which this CPU lacks");
+  if (small_m_linear_isa().empty())
+    throw std::runtime_error("rms_norm needs AVX2 and FMA, which this CPU lacks");
   if (M <= 0 || D <= 0)
     throw std::invalid_argument("rms_norm: M and D must be positive, got " + std::to_string(M) + ", " +
                                 std::to_string(D));
@@ -205,7 +206,8 @@ void rms_norm(std::uintptr_t x, std::uintptr_t w, std::uintptr_t y, int64_t M, i
 }
 void causal_conv(std::uintptr_t x, std::uintptr_t w, std::uintptr_t state, std::uintptr_t planes,
                  std::uintptr_t y, int64_t T, int64_t C, int64_t K, bool bf16) {
-  if (small_m_linear_isa().empty()) throw std::runtime_error("causal_conv needs AVX2 and FMA, which this CPU lacks");
+  if (small_m_linear_isa().empty())
+    throw std::runtime_error("causal_conv needs AVX2 and FMA, which this CPU lacks");
   if (T <= 0 || C <= 0 || K < 2 || K > 64)
     throw std::invalid_argument("causal_conv: T, C must be positive and K in 2..64, got " + std::to_string(T) +
                                 ", " + std::to_string(C) + ", " + std::to_string(K));
@@ -218,7 +220,8 @@ void causal_conv(std::uintptr_t x, std::uintptr_t w, std::uintptr_t state, std::
 }
 void silu_mul(std::uintptr_t gate, std::uintptr_t up, std::uintptr_t y, int64_t M, int64_t N,
               int64_t gate_stride, int64_t up_stride, bool bf16) {
-  if (small_m_linear_isa().empty()) throw std::runtime_error("silu_mul needs AVX2 and FMA, which this CPU lacks");
+  if (small_m_linear_isa().empty())
+    throw std::runtime_error("silu_mul needs AVX2 and FMA, which this CPU lacks");
   if (M <= 0 || N <= 0 || gate_stride < N || up_stride < N)
     throw std::invalid_argument("silu_mul: M, N must be positive and the row strides at least N, got " +
                                 std::to_string(M) + ", " + std::to_string(N) + ", " + std::to_string(gate_stride) +

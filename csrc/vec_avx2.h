@@ -38,7 +38,8 @@ inline __m256 round_bf16_8(__m256 v) {
   const __m256i u = _mm256_castps_si256(v);
   const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
   const __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), lsb));
-  const __m256 rounded = _mm256_castsi256_ps(_mm256_and_si256(r, _mm256_set1_epi32(static_cast<int>(0xffff0000u))));
+  const __m256i high = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
+  const __m256 rounded = _mm256_castsi256_ps(_mm256_and_si256(r, high));
   return _mm256_or_ps(rounded, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
 }
 

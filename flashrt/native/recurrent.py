@@ -73,7 +73,8 @@ def gated_delta_step(qkv: torch.Tensor, heads: tuple, a: torch.Tensor, b: torch.
     bf16 = qkv.dtype == torch.bfloat16
     if bf16 and not round_bf16:
         raise ValueError(f"{fn}: bfloat16 inputs take round_bf16=True (a bf16 model rounds as it goes)")
-    for name, t, shape, dtype in (("a_log", a_log, (hv,), torch.float32), ("dt_bias", dt_bias, (hv,), torch.float32),
+    f32 = torch.float32
+    for name, t, shape, dtype in (("a_log", a_log, (hv,), f32), ("dt_bias", dt_bias, (hv,), f32),
                                   ("z", z, (T, hv * dv), qkv.dtype), ("norm_w", norm_w, (dv,), qkv.dtype)):
         ext.check_tensor(fn, name, t, (dtype,), dim=len(shape))
         if tuple(t.shape) != shape:
