@@ -5,34 +5,20 @@
 // rounds to bf16 after each, as its ops do. The state becomes the window's last K-1 inputs;
 // planes[t] the state after row t. silu: 8 channels at a time (vec_avx2.h's exp, ~1 ulp).
 // Built with -mavx2 -mfma; the launcher checks the CPU.
+#include "bf16.h"
 #include "flashrt.h"
 #include "vec_avx2.h"
 
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <vector>
 
 namespace flashrt {
 namespace {
 
-inline float widen(uint16_t v) {
-  const uint32_t u = static_cast<uint32_t>(v) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
-inline float widen(float v) { return v; }
-// float -> bf16 as torch's CPU cast: round to nearest even, NaN as 0xffff
-inline uint16_t to_bf16(float v) {
-  uint32_t u;
-  std::memcpy(&u, &v, sizeof u);
-  return (u & 0x7fffffffu) > 0x7f800000u ? uint16_t{0xffff}
-                                        : static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
 // a value as the model's dtype holds it
 inline float held(float v, const float*) { return v; }
-inline float held(float v, const uint16_t*) { return widen(to_bf16(v)); }
+inline float held(float v, const uint16_t*) { return round_bf16(v); }
 inline void put(float* y, float v) { *y = v; }
 inline void put(uint16_t* y, float v) { *y = to_bf16(v); }
 inline void put8(float* y, __m256 v) { _mm256_storeu_ps(y, v); }

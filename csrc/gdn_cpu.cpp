@@ -9,6 +9,7 @@
 // norm of Qwen3.5's block, in the same call (~30 fewer torch ops a layer and token).
 // bf16_io: a bf16 model's qkv, a, b, z, norm weight and output as they are (no float32 copies).
 // Built with -mavx2 -mfma (the loops over Dv vectorize); the launcher checks the CPU first.
+#include "bf16.h"
 #include "flashrt.h"
 
 #include <algorithm>
@@ -23,13 +24,6 @@
 namespace flashrt {
 namespace {
 
-inline float widen(float v) { return v; }
-inline float widen(uint16_t v) {
-  const uint32_t u = static_cast<uint32_t>(v) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
 
 // x (D,) / sqrt(sum x^2 + 1e-6), then times `extra`: the torch form's l2norm and q scale
 template <typename T>
@@ -40,23 +34,10 @@ void l2norm(const T* x, float* out, int64_t D, float extra) {
   for (int64_t i = 0; i < D; ++i) out[i] = (widen(x[i]) * r) * extra;
 }
 
-// float32 -> bf16 -> float32, rounded to nearest even (torch's cast; NaN passes)
-inline float bf16(float v) {
-  uint32_t u;
-  std::memcpy(&u, &v, sizeof u);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return v;
-  u = ((u + 0x7fffu + ((u >> 16) & 1u)) >> 16) << 16;
-  std::memcpy(&v, &u, sizeof v);
-  return v;
-}
 // an output value as stored: float32, or a value already rounded to bf16 (round_bf16) as bf16
 // (its upper half; a NaN as 0xffff, torch's vectorized cast)
 inline void put(float* y, float v) { *y = v; }
-inline void put(uint16_t* y, float v) {
-  uint32_t u;
-  std::memcpy(&u, &v, sizeof u);
-  *y = (u & 0x7fffffffu) > 0x7f800000u ? uint16_t{0xffff} : static_cast<uint16_t>(u >> 16);
-}
+inline void put(uint16_t* y, float v) { *y = to_bf16(v); }
 
 // softplus as torch's (beta 1, threshold 20)
 inline float softplus(float x) { return x > 20.f ? x : std::log1p(std::exp(x)); }
@@ -65,7 +46,7 @@ inline float softplus(float x) { return x > 20.f ? x : std::log1p(std::exp(x)); 
 template <typename T>
 void gate_output(const GdnArgs& a, const GdnGate& gt, int64_t t, int64_t h, float* o) {
   const int64_t Dv = a.dv;
-  const auto rnd = [&](float v) { return gt.round_bf16 ? bf16(v) : v; };
+  const auto rnd = [&](float v) { return gt.round_bf16 ? round_bf16(v) : v; };
   float ss = 0.f;
   for (int64_t j = 0; j < Dv; ++j) {
     o[j] = rnd(o[j]);
@@ -98,7 +79,7 @@ void head(const GdnArgs& a, int64_t h) {
     if (a.gate != nullptr) {                    // raw projections: the decay and beta of the form
       g = -std::exp(a.gate->a_log[h]) * softplus(g + a.gate->dt_bias[h]);
       beta = 1.f / (1.f + std::exp(-beta));
-      if (a.gate->round_bf16) beta = bf16(beta);
+      if (a.gate->round_bf16) beta = round_bf16(beta);
     }
     const float decay = std::exp(g);
     for (int64_t j = 0; j < Dv; ++j) kv[j] = 0.f;

@@ -28,6 +28,7 @@
 // Each output is one sum in a fixed order over k (lane j of the vector sum
 // takes k = j, j+8, ... in order, whatever the chunking or traversal: tile or
 // GEMV), so results depend neither on the thread count nor on the batch.
+#include "bf16.h"
 #include "flashrt.h"
 
 #include <immintrin.h>
@@ -65,14 +66,8 @@ inline __m256 load8(const uint16_t* w) {
 inline __m256 load8(const int8_t* w) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w))));
 }
-inline float widen(float w) { return w; }
+using flashrt::widen;   // bf16.h's float and bf16 forms beside the int8 one (not hidden by it)
 inline float widen(int8_t w) { return static_cast<float>(w); }
-inline float widen(uint16_t w) {
-  const uint32_t u = static_cast<uint32_t>(w) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
 
 // One output from its 8-lane vector sum over k < K8: the lanes added in a fixed tree, the k
 // tail in order, then the int8 row's scale (scale null: none). Both traversals end here.
@@ -196,12 +191,7 @@ constexpr int64_t GEMV_PREFETCH = 16 << 10;
 // An output as stored: float32, or bf16 rounded to nearest even as torch's CPU float -> bf16
 // cast (its vectorized form writes any NaN as 0xffff)
 inline void put(float* y, float v) { *y = v; }
-inline void put(uint16_t* y, float v) {
-  uint32_t u;
-  std::memcpy(&u, &v, sizeof u);
-  *y = (u & 0x7fffffffu) > 0x7f800000u ? uint16_t{0xffff}
-                                      : static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
+inline void put(uint16_t* y, float v) { *y = to_bf16(v); }
 
 template <int R, typename W, typename Y>
 inline void gemv_tile(const float* x, const W* w, const uint16_t* scale, Y* y, int64_t K,

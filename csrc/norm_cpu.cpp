@@ -6,13 +6,13 @@
 // bf16 model, as its torch form rounds. With a residual r: x + r (one add, stored in x's dtype)
 // is written out and normed, the block's residual add and the next norm in one pass.
 // Built with -mavx2 -mfma; the launcher checks the CPU.
+#include "bf16.h"
 #include "flashrt.h"
 
 #include <immintrin.h>
 
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 
 #ifdef FLASHRT_OPENMP
 #include <omp.h>
@@ -21,24 +21,10 @@
 namespace flashrt {
 namespace {
 
-inline float widen(uint16_t v) {
-  const uint32_t u = static_cast<uint32_t>(v) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
-inline float widen(float v) { return v; }
-// float -> bf16 as torch's CPU cast: round to nearest even, NaN as 0xffff
-inline uint16_t round_bf16(float v) {
-  uint32_t u;
-  std::memcpy(&u, &v, sizeof u);
-  return (u & 0x7fffffffu) > 0x7f800000u ? uint16_t{0xffff}
-                                        : static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
 inline void put(float* y, float v) { *y = v; }
-inline void put(uint16_t* y, float v) { *y = round_bf16(v); }
+inline void put(uint16_t* y, float v) { *y = to_bf16(v); }
 inline float as_stored(float v, const float*) { return v; }
-inline float as_stored(float v, const uint16_t*) { return widen(round_bf16(v)); }
+inline float as_stored(float v, const uint16_t*) { return round_bf16(v); }
 
 inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
