@@ -123,7 +123,8 @@ void gated_delta_rule_cpu(const GdnArgs& a, int num_threads) {
   if (num_threads <= 0) num_threads = omp_get_max_threads();
   num_threads = static_cast<int>(std::min<int64_t>(num_threads, a.hv));
   if (num_threads > 1 && !forked_after_load()) {
-#pragma omp parallel for num_threads(num_threads) schedule(static)
+    // heads handed out in turn: a thread slowed by another process does not hold the call back
+#pragma omp parallel for num_threads(num_threads) schedule(dynamic, 1)
     for (int64_t h = 0; h < a.hv; ++h) head_any(a, h);
     return;
   }

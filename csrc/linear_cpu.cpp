@@ -19,8 +19,8 @@
 //
 // A bf16 model's decode step (gemv_bf16): x widened once, y rounded to bf16 as it is written, so
 // the step makes no float32 copies of either; the same bits as the float32 call plus torch's casts.
-// One row (a decode step) is a GEMV: no x reuse, so no tile; each thread streams its own
-// contiguous run of weight rows, GEMV_ROWS rows at a time with one vector sum per row (their
+// One row (a decode step) is a GEMV: no x reuse, so no tile; threads take runs of weight rows
+// (GEMV_CHUNK_BYTES) in turn, GEMV_ROWS rows at a time with one vector sum per row (their
 // independent FMA chains keep enough loads in flight), x staying in L1.
 //
 // Built with -mavx2 -mfma on x86-64 only, so this file holds no code that runs before the
@@ -185,6 +185,8 @@ constexpr int64_t GEMV_MIN_BYTES = 256 << 10;
 // its k-steps (measured on one thread: float32 +3%; bf16 +15%, whose work per line leaves the
 // out-of-order window fewer lines in flight).
 constexpr int64_t GEMV_PREFETCH = 16 << 10;
+// Weight bytes a thread takes at a time in a parallel GEMV
+constexpr int64_t GEMV_CHUNK_BYTES = 512 << 10;
 
 // y[n] for R weight rows at w: one vector sum per row, the same per-lane order as the tile.
 // end: the end of the thread's run (no prefetch past it).
@@ -222,8 +224,8 @@ inline void gemv_tile(const float* x, const W* w, const uint16_t* scale, Y* y, i
 
 template <typename W, typename Y>
 void gemv_rows(const float* x, const W* w, const uint16_t* scale, Y* y, int64_t K, int64_t n0,
-               int64_t n1) {
-  const char* end = reinterpret_cast<const char*>(w + n1 * K);
+               int64_t n1, int64_t N) {
+  const char* end = reinterpret_cast<const char*>(w + N * K);   // prefetch runs on into the next rows
   int64_t n = n0;
   for (; n + GEMV_ROWS <= n1; n += GEMV_ROWS)
     gemv_tile<GEMV_ROWS>(x, w + n * K, scale ? scale + n : nullptr, y + n, K, end);
@@ -240,19 +242,19 @@ void gemv(const float* x, const W* w, const uint16_t* scale, Y* y, int64_t N, in
   if (num_threads > 1 && !forked_after_load()) {
     // balanced runs of rows, split at the multiple of 16 rows nearest an equal share (64
     // bytes of y: no line written by two threads)
-#pragma omp parallel num_threads(num_threads)
-    {
-      const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
-      const auto split = [&](int64_t i) { return i == nt ? N : (N * i / nt + 8) / 16 * 16; };
-      const int64_t n0 = split(t), n1 = split(t + 1);
-      gemv_rows(x, w, scale, y, K, n0, n1);
-    }
+    // runs of rows handed out in turn (multiples of 16 rows: no line of y written by two
+    // threads), so a thread slowed by another process does not hold the call back
+    const int64_t chunk = std::max<int64_t>(16, GEMV_CHUNK_BYTES / (K * int64_t{sizeof(W)}) / 16 * 16);
+    const int64_t chunks = (N + chunk - 1) / chunk;
+#pragma omp parallel for num_threads(num_threads) schedule(dynamic, 1)
+    for (int64_t c = 0; c < chunks; ++c)
+      gemv_rows(x, w, scale, y, K, c * chunk, std::min(N, (c + 1) * chunk), N);
     return;
   }
 #else
   (void)num_threads;
 #endif
-  gemv_rows(x, w, scale, y, K, 0, N);
+  gemv_rows(x, w, scale, y, K, 0, N, N);
 }
 
 template <typename W>
