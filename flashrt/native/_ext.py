@@ -68,6 +68,13 @@ def _copies_on_torch_threads() -> bool:
 COPIES_ON_TORCH_THREADS: bool = _copies_on_torch_threads()
 
 
+def cpu_kernel_runs(name: str = "") -> bool:
+    """Whether an AVX2 CPU kernel of the extension runs here: built (x86-64), the CPU has AVX2 +
+    FMA, its threads are torch's, and the build has `name` (older sources lack the newer ones)."""
+    return (HAVE_EXT and bool(C.small_m_linear_isa()) and COPIES_ON_TORCH_THREADS
+            and (not name or hasattr(C, name)))
+
+
 def check_tensor(fn: str, name: str, t: torch.Tensor, dtypes: tuple, dim: int = 2) -> None:
     """ValueError naming argument `name` of `fn` unless t is a contiguous `dim`-D CPU tensor of one
     of `dtypes`: what the wrappers check before handing an address to the extension."""

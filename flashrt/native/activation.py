@@ -7,10 +7,7 @@ import torch
 
 from . import _ext as ext
 
-# Built (x86-64), the CPU has AVX2 + FMA, the build has the kernel (older sources lack it), and
-# its threads are torch's.
-SILU_MUL: bool = (ext.HAVE_EXT and bool(ext.C.small_m_linear_isa()) and ext.COPIES_ON_TORCH_THREADS
-                  and hasattr(ext.C, "silu_mul"))
+SILU_MUL: bool = ext.cpu_kernel_runs("silu_mul")
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

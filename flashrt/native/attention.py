@@ -7,10 +7,7 @@ import torch
 
 from . import _ext as ext
 
-# Built (x86-64), the CPU has AVX2 + FMA, the build has the kernel (older sources lack it), and
-# its threads are torch's.
-DECODE_ATTENTION: bool = (ext.HAVE_EXT and bool(ext.C.small_m_linear_isa()) and ext.COPIES_ON_TORCH_THREADS
-                          and hasattr(ext.C, "decode_attention"))
+DECODE_ATTENTION: bool = ext.cpu_kernel_runs("decode_attention")
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:

@@ -9,7 +9,7 @@ from . import _ext as ext
 
 # The small-M projection kernel runs here: built (x86-64), the CPU has AVX2 + FMA, and
 # its threads are torch's (a second OpenMP pool would fight torch's spinning workers).
-SMALL_M_LINEAR: bool = ext.HAVE_EXT and bool(ext.C.small_m_linear_isa()) and ext.COPIES_ON_TORCH_THREADS
+SMALL_M_LINEAR: bool = ext.cpu_kernel_runs()
 SMALL_M_MAX = 32      # measured: 1.3-1.8x oneDNN at M = 2..32; oneDNN's blocked GEMM wins above
 # one row (the GEMV): 1.1x oneDNN's float32 inner product over a Qwen3.5-0.8B step's weights
 # bf16 weights: 1.2-1.7x oneDNN's bf16 inner product at M = 1..8 (its AVX512-BF16 dot products

@@ -6,10 +6,7 @@ import torch
 
 from . import _ext as ext
 
-# Built (x86-64), the CPU has AVX2 + FMA, the build has the kernel (older sources lack it), and
-# its threads are torch's.
-RMS_NORM: bool = (ext.HAVE_EXT and bool(ext.C.small_m_linear_isa()) and ext.COPIES_ON_TORCH_THREADS
-                  and hasattr(ext.C, "rms_norm"))
+RMS_NORM: bool = ext.cpu_kernel_runs("rms_norm")
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, zero_centred: bool) -> torch.Tensor:
@@ -17,18 +14,7 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, zero_centred: bool) -
     (M, D) in x's dtype: x / sqrt(mean(x^2) + eps) times (1 + w) (zero_centred) or w, in float32
     and rounded to bf16 where the torch form rounds (plain: x / rms before the product). Callers
     check RMS_NORM. ValueError names a bad argument."""
-    if not RMS_NORM:
-        raise RuntimeError(f"rms_norm unavailable: {ext.ext_status()}")
-    fn = "rms_norm"
-    ext.check_tensor(fn, "x", x, (torch.float32, torch.bfloat16))
-    ext.check_tensor(fn, "w", w, tuple({torch.float32, x.dtype}), dim=1)
-    if w.shape[0] != x.shape[1] or x.shape[0] == 0 or x.shape[1] == 0:
-        raise ValueError(f"{fn}: x {tuple(x.shape)} and w {tuple(w.shape)} do not fit: expected x "
-                         "(M, D) with M, D > 0 and w (D,)")
-    y = torch.empty_like(x)
-    ext.C.rms_norm(x.data_ptr(), w.data_ptr(), y.data_ptr(), x.shape[0], x.shape[1], float(eps),
-                   bool(zero_centred), bf16_x=x.dtype == torch.bfloat16, bf16_w=w.dtype == torch.bfloat16)
-    return y
+    return _norm("rms_norm", x, None, w, eps, zero_centred)[1]
 
 
 def add_rms_norm(x: torch.Tensor, r: torch.Tensor, w: torch.Tensor, eps: float,
@@ -36,17 +22,24 @@ def add_rms_norm(x: torch.Tensor, r: torch.Tensor, w: torch.Tensor, eps: float,
     """A block's residual add and the next norm in one pass: s = x + r in x's dtype (torch's add,
     one rounding), then (s, rms_norm(s, w, eps, zero_centred)). x, r (M, D) of one dtype; w as
     rms_norm's. Callers check RMS_NORM. ValueError names a bad argument."""
+    return _norm("add_rms_norm", x, r, w, eps, zero_centred)
+
+
+def _norm(fn, x, r, w, eps, zero_centred):
+    """(x + r or None, the norm of x + r, or of x without r): the checks and the one call."""
     if not RMS_NORM:
-        raise RuntimeError(f"rms_norm unavailable: {ext.ext_status()}")
-    fn = "add_rms_norm"
+        raise RuntimeError(f"{fn} unavailable: {ext.ext_status()}")
     ext.check_tensor(fn, "x", x, (torch.float32, torch.bfloat16))
-    ext.check_tensor(fn, "r", r, (x.dtype,))
+    if r is not None:
+        ext.check_tensor(fn, "r", r, (x.dtype,))
     ext.check_tensor(fn, "w", w, tuple({torch.float32, x.dtype}), dim=1)
-    if tuple(r.shape) != tuple(x.shape) or w.shape[0] != x.shape[1] or 0 in x.shape:
-        raise ValueError(f"{fn}: x {tuple(x.shape)}, r {tuple(r.shape)} and w {tuple(w.shape)} do not "
-                         "fit: expected x and r (M, D) with M, D > 0 and w (D,)")
-    s, y = torch.empty_like(x), torch.empty_like(x)
+    if (r is not None and tuple(r.shape) != tuple(x.shape)) or w.shape[0] != x.shape[1] or 0 in x.shape:
+        raise ValueError(f"{fn}: x {tuple(x.shape)}{'' if r is None else f', r {tuple(r.shape)}'} and w "
+                         f"{tuple(w.shape)} do not fit: expected x{'' if r is None else ' and r'} (M, D) "
+                         "with M, D > 0 and w (D,)")
+    s = None if r is None else torch.empty_like(x)
+    y = torch.empty_like(x)
     ext.C.rms_norm(x.data_ptr(), w.data_ptr(), y.data_ptr(), x.shape[0], x.shape[1], float(eps),
                    bool(zero_centred), bf16_x=x.dtype == torch.bfloat16, bf16_w=w.dtype == torch.bfloat16,
-                   r=r.data_ptr(), s=s.data_ptr())
+                   r=0 if r is None else r.data_ptr(), s=0 if s is None else s.data_ptr())
     return s, y

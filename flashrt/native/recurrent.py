@@ -8,10 +8,7 @@ import torch
 
 from . import _ext as ext
 
-# Built (x86-64), the CPU has AVX2 + FMA, the build has the kernel (older sources lack it), and
-# its threads are torch's.
-GDN_RULE: bool = (ext.HAVE_EXT and bool(ext.C.small_m_linear_isa()) and ext.COPIES_ON_TORCH_THREADS
-                  and hasattr(ext.C, "gated_delta_rule"))
+GDN_RULE: bool = ext.cpu_kernel_runs("gated_delta_rule")
 GDN_STEP: bool = GDN_RULE and hasattr(ext.C, "gated_delta_step")     # the gated form
 
 

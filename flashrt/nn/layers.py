@@ -31,9 +31,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype, w = x.dtype, self.weight
-        if (native.RMS_NORM and x.device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
-                and w.dtype == dtype and not torch.compiler.is_compiling()):
-            # the same form in one extension call (x: (..., dim) as rows)
+        if self._kernel_takes(x):   # the same form in one extension call (x: (..., dim) as rows)
             return native.rms_norm(x.reshape(-1, x.shape[-1]).contiguous(), w, self.eps,
                                    self.zero_centred).view(x.shape)
         h = x.float()
@@ -45,14 +43,17 @@ class RMSNorm(nn.Module):
     def add_and_norm(self, x: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """A block's residual add and this norm: (x + h, self(x + h)), in one extension call on
         the CPU (the sum rounded once in x's dtype, as torch's add)."""
-        w = self.weight
-        if (native.RMS_NORM and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16)
-                and h.dtype == x.dtype == w.dtype and h.shape == x.shape and not torch.compiler.is_compiling()):
+        if self._kernel_takes(x) and h.dtype == x.dtype and h.shape == x.shape:
             s, y = native.add_rms_norm(x.reshape(-1, x.shape[-1]).contiguous(),
-                                       h.reshape(-1, x.shape[-1]).contiguous(), w, self.eps, self.zero_centred)
+                                       h.reshape(-1, x.shape[-1]).contiguous(), self.weight, self.eps,
+                                       self.zero_centred)
             return s.view(x.shape), y.view(x.shape)
         x = x + h
         return x, self(x)
+
+    def _kernel_takes(self, x: torch.Tensor) -> bool:
+        return (native.RMS_NORM and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16)
+                and self.weight.dtype == x.dtype and not torch.compiler.is_compiling())
 
 
 class Rotary(nn.Module):
