@@ -153,6 +153,69 @@ def test_loaded_models_pack_their_projections(runtime):
         assert all(torch.equal(a, b) for a, b in zip(on, off)), arch
 
 
+@pytest.mark.parametrize("weights", ["float", "int8"])
+def test_loaded_weights_sit_in_one_block(runtime, weights):
+    """load_model gathers every weight (parameters, buffers, int8 scales, the packs' tensors)
+    into one block; the members still view their pack, and moving the weights again changes
+    no logit bit."""
+    from flashrt.models.loader import gather_weights
+    from flashrt.nn.linear import Int8Weight, LinearPack
+    for arch in ARCHS:
+        rt = runtime(arch, weights=weights)
+        net, packs = rt.net, [m for m in rt.net.modules() if isinstance(m, LinearPack)]
+        tensors = [*net.parameters(), *net.buffers(), *(t for p in packs if p.packed is not None
+                                                       for t in p.tensors())]
+        tensors += [t.scale for t in net.parameters() if isinstance(t, Int8Weight)]
+        assert weights == "float" or any(isinstance(t, Int8Weight) for t in tensors), arch
+        blocks = {t.untyped_storage().data_ptr() for t in tensors}
+        assert len(blocks) == 1, (arch, len(blocks))
+        for p in packs:
+            if p.packed is not None:
+                assert p.views == tuple(m.weight.data_ptr() for m in p.members), arch
+        ids = _ids(12, seed=3)
+        rt.prefill(ids)
+        cap = rt.snapshot()
+        before = [rt.decode(t) for t in (4, 8)]
+        assert gather_weights(net) > 0
+        assert {t.untyped_storage().data_ptr() for t in tensors} != blocks     # moved
+        assert all(p.packed is None or p.views == tuple(m.weight.data_ptr() for m in p.members)
+                   for p in packs), arch
+        rt.restore(cap)
+        assert all(torch.equal(a, b) for a, b in zip(before, [rt.decode(t) for t in (4, 8)])), arch
+
+
+def test_zeroed_block_is_aligned_and_advised():
+    """zeroed_block: zeroed and writable; on a Linux CPU from HUGE_PAGE up, HUGE_PAGE-aligned
+    in a mapping the kernel may back with huge pages (THPeligible, where THP is not off)."""
+    import mmap
+    from flashrt.core.arena import HUGE_PAGE, zeroed_block
+    small = zeroed_block(4096, torch.device("cpu"))
+    assert small.shape == (4096,) and not small.any()
+    big = zeroed_block(HUGE_PAGE + 12345, torch.device("cpu"))
+    assert big.shape == (HUGE_PAGE + 12345,) and big.dtype == torch.uint8 and not big.any()
+    big[-1] = 7
+    assert int(big[-1]) == 7
+    if not hasattr(mmap, "MADV_HUGEPAGE"):
+        return
+    assert big.data_ptr() % HUGE_PAGE == 0
+    try:
+        thp = open("/sys/kernel/mm/transparent_hugepage/enabled").read()
+    except OSError:
+        return
+    if "[never]" in thp:
+        return
+    with open("/proc/self/smaps") as f:
+        mine, eligible = False, None
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(v, 16) for v in head.split("-"))
+                mine = lo <= big.data_ptr() < hi
+            elif mine and head == "THPeligible:":
+                eligible = line.split()[1]
+    assert eligible == "1"
+
+
 @pytest.mark.skipif(not native.SMALL_M_LINEAR, reason="small-M kernel does not run here")
 def test_widen_kernel_dispatch(monkeypatch):
     """WIDEN (bf16 where oneDNN has none; forced here, oneDNN float32 runs everywhere): 1..32

@@ -15,9 +15,10 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from flashrt.core.arena import zeroed_block
 from flashrt.errors import ConfigError, WeightError
 from flashrt.nn.linear import (INT8_K_MULTIPLE, WEIGHT_FORMATS, Int8Embedding, Int8Weight, Linear,
-                               pack_linears, quantize_int8, select_linear_kernel)
+                               LinearPack, pack_linears, quantize_int8, select_linear_kernel)
 from .registry import model_module
 from .tokenizer import load_tokenizer
 
@@ -112,11 +113,55 @@ def load_model(path, device="cpu", dtype=None, linear_kernel: str = "auto",
     net.eval()
     kernel = select_linear_kernel(net, device, dtype, linear_kernel)
     pack_linears(net)       # after the kernel: packs only where the small-M kernel runs
+    gather_weights(net)     # after the packs: they are the tensors a step streams
     info_file = path / "flashrt_checkpoint.json"
     info = json.loads(info_file.read_text()) if info_file.exists() else {}
     return LoadedModel(path, net, net.model_type, hf, dtype, device,
                        load_tokenizer(path, config.vocab_size), _eos_ids(path, hf),
                        fingerprint(net, dtype, digest, weights), info, kernel, weights)
+
+
+WEIGHT_ALIGN = 64   # bytes between storages in the weight block: a cache line, any dtype's multiple
+
+
+def gather_weights(net) -> int:
+    """Every CPU storage of `net`'s weights (parameters, buffers, int8 scales, LinearPacks'
+    tensors) moved into one core.arena.zeroed_block, in module order, each tensor keeping its
+    object, offset and strides (views stay views); returns the block's bytes, 0 on another
+    device. On Linux the block is on huge pages (zeroed_block says why). One storage at a time:
+    the old is freed as the next is copied."""
+    tensors = []
+    for m in net.modules():
+        tensors += [t for t in (*m._parameters.values(), *m._buffers.values()) if t is not None]
+        tensors += [t.scale for t in m._parameters.values() if isinstance(t, Int8Weight)]
+        if isinstance(m, LinearPack) and m.packed is not None:
+            tensors += m.tensors()
+    by_storage: dict[int, list] = {}
+    for t in tensors:
+        if t.device.type == "cpu" and not t.is_meta:
+            group = by_storage.setdefault(t.untyped_storage().data_ptr(), [])
+            if all(u is not t for u in group):
+                group.append(t)
+    sizes = {k: ts[0].untyped_storage().nbytes() for k, ts in by_storage.items()}
+    offsets, total = {}, 0
+    for k, n in sizes.items():
+        offsets[k], total = total, total + -(-n // WEIGHT_ALIGN) * WEIGHT_ALIGN
+    if not total:
+        return 0
+    block = zeroed_block(total, torch.device("cpu"))
+    storage, base = block.untyped_storage(), block.storage_offset()
+    with torch.no_grad():
+        for k, ts in by_storage.items():
+            old = torch.empty(0, dtype=torch.uint8).set_(ts[0].untyped_storage())
+            block[offsets[k]:offsets[k] + sizes[k]].copy_(old)
+            for t in ts:      # byte offset -> elements of t's dtype (WEIGHT_ALIGN divides it)
+                t.set_(storage, (base + offsets[k]) // t.element_size() + t.storage_offset(),
+                       t.size(), t.stride())
+            del old
+    for m in net.modules():
+        if isinstance(m, LinearPack) and m.packed is not None:
+            m.remember_views()
+    return total
 
 
 def int8_names(net) -> set:

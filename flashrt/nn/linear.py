@@ -223,8 +223,17 @@ class LinearPack(nn.Module):
         object.__setattr__(self, "packed", packed)   # not a parameter of this module
         for m, p in zip(ms, parts):
             m.weight = p
-        self.views = tuple(m.weight.data_ptr() for m in ms)
+        self.remember_views()
         return True
+
+    def tensors(self) -> list:
+        """The pack's own tensors (not parameters of any module): weight, its int8 scale, bias."""
+        w = self.packed
+        return [t for t in (w, getattr(w, "scale", None), self.packed_bias) if t is not None]
+
+    def remember_views(self) -> None:
+        """Note where the members' weights are: pack() and a move of the pack's storage call it."""
+        self.views = tuple(m.weight.data_ptr() for m in self.members)
 
     def forward(self, x: torch.Tensor) -> list:
         """[member(x) for each member]: (T, in) -> [(T, out_i)]."""
