@@ -38,9 +38,9 @@ inline float hsum(__m256 v) {
 constexpr int64_t PF_ROWS = 16;
 
 // The G query heads h0.. that share kv head kvh: each K and V row is read once for all G
-// (scores: G dot products a row; p V: 16 columns (a 64-byte line of float32) of the G outputs
-// at a time in registers, each V line read once). D a multiple of 8 (the launcher checks); s:
-// G * L floats of scratch. K/V rows are strided (hkv heads a row): the passes prefetch ahead.
+// (scores: G dot products a row; p V: row by row into the G outputs' sums, kept in L1). D a
+// multiple of 8 (the launcher checks); s:
+// G * (L + D) floats of scratch. K/V rows are strided (hkv heads a row): the passes prefetch ahead.
 template <int G, typename T>
 void group(const DecodeAttentionArgs& a, const T* k, const T* v, int64_t kvh, int64_t h0, float* s) {
   const int64_t D = a.d, L = a.L, stride = a.hkv * D;
@@ -72,25 +72,28 @@ void group(const DecodeAttentionArgs& a, const T* k, const T* v, int64_t kvh, in
     for (l = 0; l < L; ++l) sum += sg[l];
     inv[g] = 1.f / sum;
   }
-  for (int64_t d = 0; d < D; d += 16) {      // o[:, d:d+16] = sum over l in order of p_l V_l
-    const bool two = d + 16 <= D;            // D a multiple of 8: the last block may be 8 wide
-    __m256 lo[G], hi[G];
-    for (int g = 0; g < G; ++g) lo[g] = hi[g] = _mm256_setzero_ps();
-    for (int64_t l = 0; l < L; ++l) {
-      const T* vr = v + l * stride + kvh * D + d;
-      if (l + PF_ROWS < L) _mm_prefetch(reinterpret_cast<const char*>(vr + PF_ROWS * stride), _MM_HINT_T0);
-      const __m256 v0 = load8(vr), v1 = two ? load8(vr + 8) : _mm256_setzero_ps();
-      for (int g = 0; g < G; ++g) {
-        const __m256 p = _mm256_set1_ps(s[g * L + l]);
-        lo[g] = _mm256_fmadd_ps(p, v0, lo[g]);
-        if (two) hi[g] = _mm256_fmadd_ps(p, v1, hi[g]);
-      }
+  // o = sum over l in order of p_l V_l, row by row: each V row read once, whole and in order
+  // (streams like K), the G x D sums in L1 scratch; per output the same FMAs in the same order
+  float* o = s + G * L;
+  for (int64_t i = 0; i < G * D; ++i) o[i] = 0.f;
+  for (int64_t l = 0; l < L; ++l) {
+    const T* vr = v + l * stride + kvh * D;
+    if (l + PF_ROWS < L) {
+      const char* p = reinterpret_cast<const char*>(vr + PF_ROWS * stride);
+      for (int64_t b = 0; b < row_bytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
     }
-    for (int g = 0; g < G; ++g) {
-      const __m256 r = _mm256_set1_ps(inv[g]);
-      _mm256_storeu_ps(a.out + (h0 + g) * D + d, _mm256_mul_ps(lo[g], r));
-      if (two) _mm256_storeu_ps(a.out + (h0 + g) * D + d + 8, _mm256_mul_ps(hi[g], r));
+    __m256 p[G];
+    for (int g = 0; g < G; ++g) p[g] = _mm256_set1_ps(s[g * L + l]);
+    for (int64_t d = 0; d < D; d += 8) {
+      const __m256 vv = load8(vr + d);
+      for (int g = 0; g < G; ++g)
+        _mm256_storeu_ps(o + g * D + d, _mm256_fmadd_ps(p[g], vv, _mm256_loadu_ps(o + g * D + d)));
     }
+  }
+  for (int g = 0; g < G; ++g) {
+    const __m256 r = _mm256_set1_ps(inv[g]);
+    for (int64_t d = 0; d < D; d += 8)
+      _mm256_storeu_ps(a.out + (h0 + g) * D + d, _mm256_mul_ps(_mm256_loadu_ps(o + g * D + d), r));
   }
 }
 
@@ -112,7 +115,7 @@ void run(const DecodeAttentionArgs& a, int num_threads) {
   if (num_threads > 1 && !forked_after_load()) {
 #pragma omp parallel num_threads(num_threads)
     {
-      std::vector<float> s(G * a.L);
+      std::vector<float> s(G * (a.L + a.d));
 #pragma omp for schedule(static)
       for (int64_t i = 0; i < items; ++i) item<G>(a, k, v, i, s.data());
     }
@@ -121,7 +124,7 @@ void run(const DecodeAttentionArgs& a, int num_threads) {
 #else
   (void)num_threads;
 #endif
-  std::vector<float> s(G * a.L);
+  std::vector<float> s(G * (a.L + a.d));
   for (int64_t i = 0; i < items; ++i) item<G>(a, k, v, i, s.data());
 }
 
