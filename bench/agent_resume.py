@@ -64,7 +64,7 @@ def capsule_cost(ckpt, dtype: str) -> tuple:
 def lc_tools():
     from langchain_core.tools import tool
 
-    from bench.agent import run_tool
+    from bench.agent_tools import run_tool
 
     @tool
     def search(page: int) -> str:
@@ -93,7 +93,7 @@ class Agent:
         from langgraph.checkpoint.memory import InMemorySaver
         from langgraph.prebuilt import create_react_agent
 
-        from bench.agent import TOOLS
+        from bench.agent_tools import TOOLS
         from flashrt.integrations.langgraph import RetainingSaver
         self.kind, self.bodies = kind, []
 
@@ -168,7 +168,7 @@ def measure(ckpt, tok, a, biases, first_prompt: int) -> dict:
         return {"measured": False, "why": f"not installed: {', '.join(missing)} (the agent-clients extra)"}
     import httpx
 
-    from bench.agent import QUESTION, SYSTEM, cached_of, stream
+    from bench.agent_tools import QUESTION, SYSTEM, cached_of, stream
     from bench.serve import start_flashrt
     fixed, per_token = capsule_cost(ckpt, a.dtype)
     budget = a.resume_budget_mb or default_budget(a, fixed, per_token, first_prompt)
