@@ -207,8 +207,8 @@ def zeroed_block(nbytes: int, device: torch.device) -> torch.Tensor:
     """One zeroed (nbytes,) uint8 allocation. On a Linux CPU, from HUGE_PAGE up: fresh private
     anonymous memory, HUGE_PAGE-aligned and advised to huge pages, so a decode step that streams
     ~1 GB of weights through it takes one TLB entry per 2 MiB, not per 4 KiB, and the small ops
-    between its matmuls keep their own entries (Qwen3.5-0.8B shape, bf16 weights: ~10% a step,
-    bench/README). Elsewhere, or where the kernel does not offer huge pages, torch.zeros."""
+    between its matmuls keep their own entries (bench/README's decode section measures it).
+    Elsewhere, or where the kernel does not offer huge pages, torch.zeros."""
     advice = getattr(mmap, "MADV_HUGEPAGE", None)
     if device.type != "cpu" or nbytes < HUGE_PAGE or advice is None:
         return torch.zeros(nbytes, dtype=torch.uint8, device=device)
