@@ -23,19 +23,9 @@ namespace flashrt {
 namespace {
 
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const uint16_t* p) {
-  const __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
-}
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
+inline __m256 load8(const uint16_t* p) { return load8_bf16(p); }
 // Rows ahead that the passes prefetch, into L2 (T1): an L1 prefetch holds one of the core's few
-// line-fill buffers until its line arrives, which capped a float32 pass at ~6 GB/s a thread
+// line-fill buffers until its line arrives, which caps the misses in flight
 constexpr int64_t PF_ROWS = 16;
 
 // The G query heads h0.. that share kv head kvh: each K and V row is read once for all G

@@ -24,7 +24,6 @@
 namespace flashrt {
 namespace {
 
-
 // x (D,) / sqrt(sum x^2 + 1e-6), then times `extra`: the torch form's l2norm and q scale
 template <typename T>
 void l2norm(const T* x, float* out, int64_t D, float extra) {

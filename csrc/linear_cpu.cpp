@@ -30,6 +30,7 @@
 // GEMV), so results depend neither on the thread count nor on the batch.
 #include "bf16.h"
 #include "flashrt.h"
+#include "vec_avx2.h"
 
 #include <immintrin.h>
 
@@ -44,13 +45,6 @@
 
 namespace flashrt {
 namespace {
-
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
 
 constexpr int NR = 4;            // weight rows per block
 constexpr int MR = 3;            // x rows per tile

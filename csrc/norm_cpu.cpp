@@ -8,6 +8,7 @@
 // Built with -mavx2 -mfma; the launcher checks the CPU.
 #include "bf16.h"
 #include "flashrt.h"
+#include "vec_avx2.h"
 
 #include <immintrin.h>
 
@@ -25,13 +26,6 @@ inline void put(float* y, float v) { *y = v; }
 inline void put(uint16_t* y, float v) { *y = to_bf16(v); }
 inline float as_stored(float v, const float*) { return v; }
 inline float as_stored(float v, const uint16_t*) { return round_bf16(v); }
-
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
 
 // Sum of squares of D values widened to float32: lane j takes k = j, j + 8, ..., then the tail.
 inline float sum_squares(const float* x, int64_t D) {

@@ -26,6 +26,14 @@ inline __m256 exp8(__m256 x) {
   return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
 }
 
+// the 8 lanes' sum in a fixed tree: b_i = l_i + l_(i+4), then (b0 + b2) + (b1 + b3)
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
 // silu(x) = x / (1 + exp(-x)), the form torch's CPU kernel computes
 inline __m256 silu8(__m256 x) {
   const __m256 neg = _mm256_sub_ps(_mm256_setzero_ps(), x);
